@@ -1,0 +1,1 @@
+"""attnres_dist: pipeline-parallel trainer for Attention-Residual Transformers."""
