@@ -1,0 +1,97 @@
+"""``attnres-dist``: one command, one subcommand per job.
+
+    attnres-dist train --config configs/tiny.yaml model.num_layers=12 parallel.pp=2
+    attnres-dist prepare-data docs/*.txt --output data/mycorpus
+
+Every subcommand validates its input before any process group starts; a ``UserError`` prints
+one line (``error: <field>: <problem and fix>``) and exits with code 2. ``--local_rank`` (passed
+by the ``deepspeed`` launcher) is accepted everywhere and ignored in favour of ``LOCAL_RANK``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from attnres_dist.errors import UserError
+
+
+def _add_run_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.num_layers=8")
+
+
+def _train(args) -> int:
+    from attnres_dist.train.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    from attnres_dist.train.trainer import Trainer
+
+    summary = Trainer(cfg).train()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"final validation loss {summary['final_valid_loss']:.4f} "
+            f"in {summary['wall_time_s']:.1f} s ({summary['tokens_per_s']:.0f} tokens/s)"
+        )
+    return 0
+
+
+def _check_config(args) -> int:
+    from attnres_dist.train.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    plan = cfg.model.block_plan()
+    print(f"ok: {plan.describe()}; world size {cfg.world_size}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="attnres-dist", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a model")
+    _add_run_args(train)
+    train.set_defaults(func=_train)
+
+    check = sub.add_parser("check-config", help="validate a config and print the block plan")
+    _add_run_args(check)
+    check.set_defaults(func=_check_config)
+
+    from attnres_dist.data import prepare_cmd
+
+    prepare_cmd.add_parser(sub)
+    return parser
+
+
+def _split_local_rank(argv: list[str]) -> list[str]:
+    """Drop ``--local_rank=N`` wherever the launcher put it (before or after the subcommand)."""
+    out, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if arg.startswith(("--local_rank=", "--local-rank=")):
+            continue
+        if arg in ("--local_rank", "--local-rank") and i + 1 < len(argv):
+            skip = True
+            continue
+        out.append(arg)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = _split_local_rank(sys.argv[1:] if argv is None else list(argv))
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

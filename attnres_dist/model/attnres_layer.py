@@ -1,0 +1,143 @@
+"""One transformer layer with Attention Residuals, around Megatron-Core's local layer.
+
+Megatron builds the layer (``input_layernorm``, ``self_attention``, ``pre_mlp_layernorm``,
+``mlp``); this module calls those submodules directly and owns the residual logic instead of
+Megatron's bias-dropout-add. Each of the two sublayers reads a depth-attention mix over the
+state's sources (its own zero-initialised query and key RMSNorm gain), and its raw output is added
+to the partial block, which is closed into the completed list where the block plan says so.
+Baseline mode applies the plain PreNorm residual with the very same submodules.
+
+Recompute (activation checkpointing) lives here too:
+* ``attnres``: the mix and the PreNorm after it are recomputed in backward, so nothing of them
+  is stored beyond the sources, which stay alive anyway;
+* ``full``: groups of ``interval`` consecutive local layers are recomputed whole. The first
+  layer of a group runs the group under one checkpoint; the others see the state's
+  ``layers_done`` already past them and pass it through.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from attnres_dist.model.block_plan import BlockPlan
+from attnres_dist.model.depth_state import DepthState
+from attnres_dist.model.sequence_context import sequence_context
+from attnres_dist.ops import get_depth_attention
+
+
+class DepthMixer(torch.nn.Module):
+    """Softmax attention over depth with a learned pseudo-query (zero at init) and key gain."""
+
+    def __init__(self, hidden_size: int, impl: str = "lean", eps: float = 1e-6):
+        super().__init__()
+        self.query = torch.nn.Parameter(torch.zeros(hidden_size))
+        self.key_norm_weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.impl = impl
+        self._op = get_depth_attention(impl)
+
+    def forward(self, sources, return_weights: bool = False):
+        return self._op(
+            self.query, sources, self.key_norm_weight, eps=self.eps, return_weights=return_weights
+        )
+
+
+class AttnResLayer(torch.nn.Module):
+    """Transformer layer ``layer_index`` (0-based, global) acting on a DepthState."""
+
+    def __init__(
+        self,
+        megatron_layer,
+        plan: BlockPlan,
+        layer_index: int,
+        impl: str = "lean",
+        rotary_base: int = 10000,
+    ):
+        super().__init__()
+        self.rotary_base = rotary_base
+        self.layer = megatron_layer
+        self.plan = plan
+        self.layer_index = layer_index
+        self.hidden_dropout = megatron_layer.config.hidden_dropout
+        if plan.mode != "baseline":
+            hidden = megatron_layer.config.hidden_size
+            self.attn_mixer = DepthMixer(hidden, impl)
+            self.mlp_mixer = DepthMixer(hidden, impl)
+        self.recompute = "none"
+        self.group: list[AttnResLayer] = [self]  # layers recomputed together (full recompute)
+
+    # -- sublayer functions f(x) = Sublayer(Norm(x)); outputs are the raw v_i of the paper --
+
+    def _attention(self, normed, ctx):
+        out, bias = self.layer.self_attention(
+            normed, attention_mask=ctx.attention_mask, rotary_pos_emb=ctx.rotary_pos_emb
+        )
+        return out if bias is None else out + bias
+
+    def _mlp(self, normed, ctx):
+        out, bias = self.layer.mlp(normed)
+        return out if bias is None else out + bias
+
+    def _sublayer(self, state: DepthState, sublayer: int, ctx) -> DepthState:
+        first = sublayer % 2 == 1
+        norm = self.layer.input_layernorm if first else self.layer.pre_mlp_layernorm
+        fn = self._attention if first else self._mlp
+        if self.plan.mode == "baseline":
+            x = state.partial
+            normed = norm(x)
+        else:
+            mixer = self.attn_mixer if first else self.mlp_mixer
+            sources = state.sources()
+            if self.recompute == "attnres" and torch.is_grad_enabled():
+                normed = checkpoint(lambda *s: norm(mixer(s)), *sources, use_reentrant=False)
+            else:
+                normed = norm(mixer(sources))
+        out = F.dropout(fn(normed, ctx), p=self.hidden_dropout, training=self.training)
+        if self.plan.mode == "baseline":
+            return DepthState((), x + out, state.layers_done)
+        partial = out if state.partial is None else state.partial + out
+        completed = state.completed
+        if self.plan.closes_block(sublayer):
+            completed, partial = completed + (partial,), None
+        return DepthState(completed, partial, state.layers_done)
+
+    def apply_layer(self, state: DepthState) -> DepthState:
+        if state.layers_done != self.layer_index:
+            raise RuntimeError(
+                f"layer {self.layer_index} got a depth state after {state.layers_done} layers"
+            )
+        ctx = sequence_context(self.layer.config, state.sources()[0], self.rotary_base)
+        first = 2 * self.layer_index + 1
+        state = self._sublayer(state, first, ctx)
+        state = self._sublayer(state, first + 1, ctx)
+        return DepthState(state.completed, state.partial, self.layer_index + 1)
+
+    def forward(self, state: DepthState) -> DepthState:
+        if state.layers_done > self.layer_index:
+            return state  # applied by the leader of this layer's recompute group
+        if self.recompute != "full" or not torch.is_grad_enabled():
+            return self.apply_layer(state)
+        group = self.group
+        num_completed, has_partial = self.plan.state_after(2 * state.layers_done)
+
+        def run_group(*tensors):
+            inner = DepthState.from_tensors(tensors, num_completed, has_partial, state.layers_done)
+            for layer in group:
+                inner = layer.apply_layer(inner)
+            return inner.tensors()
+
+        outputs = checkpoint(run_group, *state.tensors(), use_reentrant=False)
+        done = state.layers_done + len(group)
+        completed, partial = self.plan.state_after(2 * done)
+        return DepthState.from_tensors(outputs, completed, partial, done)
+
+
+def configure_recompute(layers: list[AttnResLayer], mode: str, interval: int = 1) -> None:
+    """Set the recompute mode of consecutive local layers; group them by ``interval`` for full."""
+    for start in range(0, len(layers), interval):
+        group = layers[start : start + interval]
+        for layer in group:
+            layer.recompute = mode
+            layer.group = group

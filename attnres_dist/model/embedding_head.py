@@ -1,0 +1,114 @@
+"""The ends of the model: token embedding in, final aggregation + norm + LM head + loss out.
+
+* ``Embedding`` turns token ids ``[b, s]`` into the first DepthState (``b_0 = v_0``, Megatron's
+  ``[s, b, h]`` layout) and, for tied embeddings, also computes the LM logits with its weight.
+* ``FinalAggregation`` attends once more over all blocks (own zero-init query and key norm),
+  then applies the final norm; baseline just normalises the residual stream.
+* ``OutputLayer`` is the untied LM head. Logits stay vocabulary-sharded under tensor parallelism
+  and the loss is Megatron's vocab-parallel cross entropy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnres_dist.model.attnres_layer import DepthMixer
+from attnres_dist.model.block_plan import BlockPlan
+from attnres_dist.model.depth_state import DepthState
+
+
+def _final_norm(config):
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.transformer.spec_utils import build_module
+
+    norm_cls = LocalSpecProvider().layer_norm(rms_norm=True, for_qk=False)
+    return build_module(
+        norm_cls, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon
+    )
+
+
+def _lm_head(config, vocab_size: int, skip_weight: bool):
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.ColumnParallelLinear(
+        config.hidden_size,
+        vocab_size,
+        config=config,
+        init_method=config.init_method,
+        bias=False,
+        gather_output=False,
+        skip_weight_param_allocation=skip_weight,
+    )
+
+
+class Embedding(torch.nn.Module):
+    def __init__(self, config, vocab_size: int, max_seq_length: int, plan: BlockPlan):
+        super().__init__()
+        from megatron.core.models.common.embeddings.language_model_embedding import (
+            LanguageModelEmbedding,
+        )
+
+        self.plan = plan
+        self.embedding = LanguageModelEmbedding(
+            config=config,
+            vocab_size=vocab_size,
+            max_sequence_length=max_seq_length,
+            position_embedding_type="rope",
+        )
+        self.lm_head = _lm_head(config, vocab_size, skip_weight=True)
+
+    @property
+    def word_embeddings(self):
+        return self.embedding.word_embeddings
+
+    def forward(self, tokens: torch.Tensor) -> DepthState:
+        v0 = self.embedding(input_ids=tokens, position_ids=None)  # [s, b, h]
+        if self.plan.mode == "baseline":
+            return DepthState((), v0, 0)
+        return DepthState((v0,), None, 0)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Tied LM head: vocabulary-sharded logits ``[s, b, v / tp]``."""
+        out, _ = self.lm_head(hidden, weight=self.word_embeddings.weight)
+        return out
+
+
+class FinalAggregation(torch.nn.Module):
+    def __init__(self, config, plan: BlockPlan, impl: str = "lean"):
+        super().__init__()
+        self.plan = plan
+        if plan.mode != "baseline":
+            self.mixer = DepthMixer(config.hidden_size, impl)
+        self.final_norm = _final_norm(config)
+
+    def forward(self, state: DepthState) -> torch.Tensor:
+        if state.layers_done != self.plan.num_layers:
+            raise RuntimeError(
+                f"final aggregation got a state after {state.layers_done} of "
+                f"{self.plan.num_layers} layers"
+            )
+        if self.plan.mode == "baseline":
+            hidden = state.partial
+        else:
+            hidden = self.mixer(state.sources())
+        return self.final_norm(hidden)
+
+
+class OutputLayer(torch.nn.Module):
+    def __init__(self, config, vocab_size: int):
+        super().__init__()
+        self.lm_head = _lm_head(config, vocab_size, skip_weight=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lm_head(hidden)
+        return out
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy; ``logits`` ``[s, b, v/tp]``, ``labels`` ``[b, s]``."""
+    from megatron.core import tensor_parallel
+
+    losses = tensor_parallel.vocab_parallel_cross_entropy(
+        logits.float(), labels.transpose(0, 1).contiguous()
+    )
+    return losses.mean()

@@ -1,0 +1,113 @@
+"""The AttnRes GPT: builders for its parts, and the single-process model made of them.
+
+Every part is built under its own seed derived from (run seed, part name, global layer index),
+with Megatron's CPU initialisation (the full master weight is drawn, then this tensor-parallel
+rank's shard is taken). So the weights of layer 7 are the same whether it lives in a
+single-process model, on stage 3 of 4, or is split over two tensor-parallel ranks: every
+parallel layout starts from the single-process reference's parameters.
+
+The pipeline module (``attnres_dist.pipeline``) builds the same parts in the same order:
+``[embedding, layer_0 .. layer_{n-1}, final aggregation, lm head]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+
+import torch
+
+from attnres_dist.model import megatron_compat
+from attnres_dist.model.attnres_layer import AttnResLayer, configure_recompute
+from attnres_dist.model.block_plan import BlockPlan
+from attnres_dist.model.embedding_head import Embedding, FinalAggregation, OutputLayer, lm_loss
+from attnres_dist.model.megatron_config import padded_vocab_size, transformer_config
+from attnres_dist.train.config import ModelConfig
+
+
+@contextlib.contextmanager
+def seeded(seed: int, name: str):
+    """Fork the RNG and seed it from (seed, name): initialisation independent of build order."""
+    derived = (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(derived)
+        yield
+
+
+class ModelBuilder:
+    """Builds the model's parts for one config, tensor-parallel size and seed."""
+
+    def __init__(
+        self, model: ModelConfig, vocab_size: int, tp: int = 1, seed: int = 0, dtype=torch.float32
+    ):
+        megatron_compat.apply()
+        self.model = model
+        self.plan: BlockPlan = model.block_plan()
+        self.vocab_size = padded_vocab_size(vocab_size, model.make_vocab_size_divisible_by, tp)
+        self.config = transformer_config(model, tp=tp, dtype=dtype)
+        self.seed = seed
+
+    @property
+    def num_parts(self) -> int:
+        return self.model.num_layers + 3
+
+    def embedding(self) -> Embedding:
+        with seeded(self.seed, "embedding"):
+            return Embedding(self.config, self.vocab_size, self.model.seq_length, self.plan)
+
+    def layer(self, index: int) -> AttnResLayer:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.spec_utils import build_module
+
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        with seeded(self.seed, f"layer.{index}"):
+            megatron_layer = build_module(spec, config=self.config, layer_number=index + 1)
+            return AttnResLayer(
+                megatron_layer,
+                self.plan,
+                index,
+                impl=self.model.attnres.impl,
+                rotary_base=self.model.rotary_base,
+            )
+
+    def final(self) -> FinalAggregation:
+        with seeded(self.seed, "final"):
+            return FinalAggregation(self.config, self.plan, impl=self.model.attnres.impl)
+
+    def output(self) -> OutputLayer:
+        with seeded(self.seed, "output"):
+            return OutputLayer(self.config, self.vocab_size)
+
+
+class AttnResGPT(torch.nn.Module):
+    """Single-process model: embedding -> AttnRes layers -> final aggregation -> LM head."""
+
+    def __init__(self, builder: ModelBuilder, recompute: str = "none", recompute_interval: int = 1):
+        super().__init__()
+        self.plan = builder.plan
+        self.tie_embeddings = builder.model.tie_embeddings
+        self.embedding = builder.embedding()
+        self.layers = torch.nn.ModuleList(builder.layer(i) for i in range(builder.model.num_layers))
+        self.final = builder.final()
+        if not self.tie_embeddings:
+            self.output = builder.output()
+        configure_recompute(list(self.layers), recompute, recompute_interval)
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states ``[s, b, h]`` for input ids ``[b, s]``."""
+        state = self.embedding(tokens)
+        for layer in self.layers:
+            state = layer(state)
+        return self.final(state)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-sharded logits ``[s, b, v / tp]``."""
+        hidden = self.hidden_states(tokens)
+        if self.tie_embeddings:
+            return self.embedding.logits(hidden)
+        return self.output(hidden)
+
+    def loss(self, window: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss of a token window batch ``[b, s + 1]``."""
+        return lm_loss(self(window[:, :-1]), window[:, 1:])

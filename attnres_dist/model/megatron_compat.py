@@ -1,0 +1,89 @@
+"""Run Megatron-Core's local layers on a machine without CUDA.
+
+Megatron-Core 0.16 builds and runs its local (non-Transformer-Engine) layer spec on CPU, except
+for a few CUDA-only calls (DESIGN.md section 4). This module replaces exactly those, and only
+when CUDA is absent; on a GPU machine ``apply()`` changes nothing.
+
+* ``torch.cuda.current_device()`` is asked for the device of scratch buffers (attention's
+  global memory buffer, RoPE, tensor-parallel mappings): answered with the CPU device.
+* ``torch.cuda.synchronize()`` becomes a no-op.
+* The CUDA RNG tracker (dropout forks inside attention and tensor-parallel layers) is replaced
+  by one that forks the CPU generator, with the same add/fork/get_states/set_states contract.
+
+The causal mask is always passed explicitly by the model, so Megatron's ``device="cuda"`` default
+mask is never built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_APPLIED = False
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def apply() -> None:
+    """Install the CPU replacements (idempotent; a no-op when CUDA is available)."""
+    global _APPLIED
+    if _APPLIED or cuda_available():
+        return
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    _install_cpu_rng_tracker()
+    _APPLIED = True
+
+
+def _install_cpu_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mp_random
+
+    class CpuRNGStatesTracker(mp_random.CudaRNGStatesTracker):
+        """CudaRNGStatesTracker's contract on the CPU generator."""
+
+        def add(self, name, seed):
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name=mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            original = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(original)
+
+    mp_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def seed_model_parallel_rng(seed: int) -> None:
+    """Megatron's ``model_parallel_cuda_manual_seed`` on GPU; the CPU tracker's equivalent here.
+
+    Tensor-parallel ranks get distinct dropout streams and identical streams elsewhere, as in
+    Megatron.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mp_random
+
+    if cuda_available():
+        mp_random.model_parallel_cuda_manual_seed(seed)
+        return
+    apply()
+    tracker = mp_random.get_cuda_rng_tracker()
+    tracker.reset()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tracker.add(mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(mp_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mp_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1 + 2718 + 100 * tp_rank)

@@ -1,0 +1,41 @@
+"""Per-sequence-length inputs every attention layer needs: causal mask and rotary embedding.
+
+They depend only on the sequence length, head size and device, never on the data, so each stage
+computes them locally (nothing about them crosses a pipeline boundary) and caches them.
+The mask is always explicit: Megatron's implicit default mask is built on ``device="cuda"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+
+@dataclass(frozen=True)
+class SequenceContext:
+    attention_mask: torch.Tensor  # [1, 1, s, s] bool, True = masked (Megatron's convention)
+    rotary_pos_emb: torch.Tensor  # [s, 1, 1, head_dim]
+
+
+def sequence_context(config, like: torch.Tensor, rotary_base: int) -> SequenceContext:
+    """Context for hidden states shaped like ``like`` ([s, b, h], Megatron's layout)."""
+    kv_channels = config.kv_channels or config.hidden_size // config.num_attention_heads
+    return _cached(like.shape[0], kv_channels, rotary_base, str(like.device))
+
+
+@lru_cache(maxsize=16)
+def _cached(seq_len: int, kv_channels: int, rotary_base: int, device: str) -> SequenceContext:
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rope = RotaryEmbedding(
+        kv_channels=kv_channels,
+        rotary_percent=1.0,
+        rotary_base=rotary_base,
+        use_cpu_initialization=True,
+    )
+    with torch.no_grad():
+        emb = rope(seq_len).to(device)
+        mask = torch.triu(torch.ones(seq_len, seq_len, device=device), diagonal=1).bool()
+    return SequenceContext(mask[None, None], emb)

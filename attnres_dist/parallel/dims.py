@@ -1,0 +1,43 @@
+"""ParallelDims: the (pp, dp, tp) layout of a run and where this rank sits in it.
+
+Rank order is tensor-parallel fastest, then data-parallel, then pipeline, which is both
+Megatron-Core's ``parallel_state`` default and DeepSpeed's ``PipeModelDataParallelTopology``
+(axes pipe, data, model). Code asks this object for coordinates instead of doing rank
+arithmetic of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attnres_dist.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def check_world_size(self, world_size: int, launcher: str = "launcher") -> None:
+        if world_size != self.world_size:
+            raise ConfigError(
+                "parallel",
+                f"pp * dp * tp = {self.pp} * {self.dp} * {self.tp} = {self.world_size} but the "
+                f"{launcher} started {world_size} processes; change parallel.* or the process "
+                "count",
+            )
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pipeline stage, data-parallel rank, tensor-parallel rank) of a global rank."""
+        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
+
+    def rank_of(self, stage: int, dp_rank: int, tp_rank: int) -> int:
+        return (stage * self.dp + dp_rank) * self.tp + tp_rank
+
+    def describe(self) -> str:
+        return f"pp={self.pp} x dp={self.dp} x tp={self.tp} = {self.world_size} ranks"

@@ -1,0 +1,107 @@
+"""Which launcher started this process, and where rank 0 listens.
+
+Three launchers are supported, plus a plain single process:
+
+* ``torchrun``: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` set;
+  ``TORCHELASTIC_RUN_ID`` tells it apart.
+* ``deepspeed``: the same variables, plus ``--local_rank=N`` on the command line (accepted by
+  the CLI and ignored in favour of ``LOCAL_RANK``).
+* ``mpirun`` (mpi4py with the mpich wheel): ``PMI_RANK``/``PMI_SIZE`` or Open MPI's
+  ``OMPI_COMM_WORLD_*``; rank 0 picks a free port and broadcasts its address and port over MPI,
+  so no rendezvous variables are needed.
+* none: world size 1 on a free loopback port.
+
+Everything here reads the environment only; nothing starts a process group.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    launcher: str  # torchrun | deepspeed | mpirun | single
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def init_method(self) -> str:
+        return f"tcp://{self.master_addr}:{self.master_port}"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _mpi_rank_size() -> tuple[int, int, int] | None:
+    for rank_key, size_key, local_key in (
+        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+        ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK"),
+    ):
+        if rank_key in os.environ and size_key in os.environ:
+            rank = int(os.environ[rank_key])
+            return rank, int(os.environ[size_key]), int(os.environ.get(local_key, rank))
+    return None
+
+
+def detect_launch_env() -> LaunchEnv:
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "deepspeed"
+        return LaunchEnv(
+            launcher=launcher,
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+        )
+    mpi = _mpi_rank_size()
+    if mpi is not None and mpi[1] > 1:
+        return _from_mpi(*mpi)
+    return LaunchEnv("single", 0, 1, 0, "127.0.0.1", free_port())
+
+
+def _from_mpi(rank: int, size: int, local_rank: int) -> LaunchEnv:
+    """Rank 0 chooses the rendezvous endpoint and broadcasts it over MPI."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    endpoint = None
+    if comm.Get_rank() == 0:
+        addr = os.environ.get("MASTER_ADDR") or _routable_address()
+        port = int(os.environ.get("MASTER_PORT") or free_port())
+        endpoint = (addr, port)
+    addr, port = comm.bcast(endpoint, root=0)
+    return LaunchEnv("mpirun", comm.Get_rank(), comm.Get_size(), local_rank, addr, port)
+
+
+def _routable_address() -> str:
+    """This host's address as its host name resolves; loopback when it does not resolve.
+
+    Multi-host jobs whose host names do not resolve to the right interface set MASTER_ADDR.
+    """
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def export_torch_env(launch: LaunchEnv) -> None:
+    """Make the standard torch.distributed variables agree with ``launch`` (for DeepSpeed)."""
+    os.environ.update(
+        RANK=str(launch.rank),
+        WORLD_SIZE=str(launch.world_size),
+        LOCAL_RANK=str(launch.local_rank),
+        MASTER_ADDR=launch.master_addr,
+        MASTER_PORT=str(launch.master_port),
+    )

@@ -1,0 +1,75 @@
+"""Start torch.distributed and Megatron-Core's parallel state for one run.
+
+gloo on CPU, NCCL on GPU, chosen automatically; always with a finite timeout. Megatron is told
+the tensor-parallel size (its layers use those groups); DeepSpeed builds its own pipeline and
+data groups with the same rank order (see ``dims.py``). Single-process runs go through the same
+path with a world of one, so the reference and the parallel runs execute identical layer code.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from attnres_dist.model import megatron_compat
+from attnres_dist.parallel.dims import ParallelDims
+from attnres_dist.parallel.launch_env import LaunchEnv, detect_launch_env, export_torch_env
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def set_threads(world_size: int) -> None:
+    """One intra-op thread per rank in multi-process runs, unless OMP_NUM_THREADS says otherwise.
+
+    Launchers that leave OMP_NUM_THREADS unset (deepspeed) would otherwise run every rank with
+    all cores: 2 ranks x 2 threads on 2 cores made steps 30x slower (DESIGN.md section 4).
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    elif world_size > 1:
+        torch.set_num_threads(1)
+
+
+def init_distributed(
+    dims: ParallelDims, timeout_s: int = 600, seed: int = 0, launch: LaunchEnv | None = None
+) -> LaunchEnv:
+    """Initialise the default process group and Megatron's model-parallel groups."""
+    launch = launch or detect_launch_env()
+    dims.check_world_size(launch.world_size, launch.launcher)
+    export_torch_env(launch)
+    set_threads(launch.world_size)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+    megatron_compat.apply()
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=default_backend(),
+            init_method=launch.init_method,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=dims.tp,
+            pipeline_model_parallel_size=dims.pp,
+            distributed_timeout_minutes=max(1, timeout_s // 60),
+        )
+    megatron_compat.seed_model_parallel_rng(seed)
+    return launch
+
+
+def shutdown_distributed() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,153 @@
+"""DeepSpeed's pipeline engine around the AttnRes pipeline module.
+
+Same contract as the single-process ``LocalEngine`` (``train_step``, ``eval_loss``, ``lr``):
+DeepSpeed runs the 1F1B schedule over the stages, averages gradients over micro-batches and
+data-parallel ranks, sums the tied embedding's gradients, and steps a ``torch.optim.AdamW``.
+
+Gradient clipping is done here rather than by DeepSpeed: the global norm must count every
+parameter exactly once, i.e. tensor-parallel shards on every tensor rank, replicated parameters
+(norms, depth-attention queries) on tensor rank 0 only, and the tied embedding on its first
+stage only. The optimizer's ``step`` clips with that norm, summed over the pipeline and tensor
+ranks that share this data-parallel rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from attnres_dist.model.gpt import ModelBuilder
+from attnres_dist.parallel.dims import ParallelDims
+from attnres_dist.pipeline.module import AttnResPipelineModule
+from attnres_dist.pipeline.partition import compute_parts
+from attnres_dist.train.config import Config
+from attnres_dist.train.optim import lr_factor, param_groups
+
+
+def _model_parallel_group(dims: ParallelDims, rank: int):
+    """The group of ranks sharing this rank's data-parallel index (pipe x tensor)."""
+    mine = None
+    for dp_rank in range(dims.dp):
+        ranks = [dims.rank_of(s, dp_rank, t) for s in range(dims.pp) for t in range(dims.tp)]
+        group = dist.new_group(ranks)  # every rank creates every group, in the same order
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+class ClippedAdamW(torch.optim.AdamW):
+    """AdamW whose ``step`` first clips gradients to a global norm (see module docstring)."""
+
+    def __init__(self, groups, *, max_norm: float, norm_params, group, **kwargs):
+        super().__init__(groups, **kwargs)
+        self.max_norm = max_norm
+        self.norm_params = norm_params
+        self.norm_group = group
+        self.last_grad_norm: float | None = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.max_norm > 0:
+            grads = [p.grad for p in self.norm_params if p.grad is not None]
+            sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
+            for g in grads:
+                sq += g.detach().double().pow(2).sum()
+            dist.all_reduce(sq, group=self.norm_group)
+            norm = sq.sqrt().item()
+            self.last_grad_norm = norm
+            coef = self.max_norm / (norm + 1e-6)
+            if coef < 1.0:
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            p.grad.mul_(coef)
+        return super().step(closure)
+
+
+class PipelineEngine:
+    def __init__(self, cfg: Config, builder: ModelBuilder, dims: ParallelDims, launch):
+        import deepspeed
+        import deepspeed.ops
+        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+        # pipeline training needs no shared-memory comm op; building it JIT-compiles for ~2 min
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+        self.cfg, self.dims = cfg, dims
+        self.rank = launch.rank
+        topology = PipeModelDataParallelTopology(num_pp=dims.pp, num_mp=dims.tp, num_dp=dims.dp)
+        self.parts = compute_parts(cfg.model, dims.pp, cfg.parallel.partition, builder.vocab_size)
+        self.module = AttnResPipelineModule(
+            builder, self.parts, topology, cfg.parallel.recompute, cfg.parallel.recompute_interval
+        )
+        self.optimizer = self._build_optimizer()
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(step, cfg.optim, cfg.train.steps)
+        )
+        t = cfg.train
+        ds_config = {
+            "train_batch_size": t.global_batch_size,
+            "train_micro_batch_size_per_gpu": t.micro_batch_size,
+            "gradient_accumulation_steps": cfg.grad_accum_steps,
+            "gradient_clipping": 0.0,  # done by ClippedAdamW with the right norm
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+            "zero_optimization": {"stage": 0},
+            "pipeline": {"use_reentrant": False},
+        }
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=self.module, optimizer=self.optimizer, lr_scheduler=scheduler, config=ds_config
+        )
+
+    def _build_optimizer(self) -> ClippedAdamW:
+        o = self.cfg.optim
+        stage, _, tp_rank = self.dims.coords(self.rank)
+        tied = {id(p) for p in self.module.tied_modules.parameters()}
+        norm_params = []
+        for _, p in self.module.named_parameters():
+            if id(p) in tied and stage != 0:
+                continue  # the first stage's copy counts for both
+            if tp_rank == 0 or getattr(p, "tensor_model_parallel", False):
+                norm_params.append(p)
+        return ClippedAdamW(
+            param_groups(self.module, o.weight_decay),
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            max_norm=o.grad_clip,
+            norm_params=norm_params,
+            group=_model_parallel_group(self.dims, self.rank),
+        )
+
+    @staticmethod
+    def _iterator(micro_batches):
+        return iter([(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in micro_batches])
+
+    def train_step(self, micro_batches: list[torch.Tensor]) -> float:
+        loss = self.engine.train_batch(data_iter=self._iterator(micro_batches))
+        return float(loss)
+
+    def eval_loss(self, batches: list[torch.Tensor]) -> float:
+        loss = self.engine.eval_batch(
+            data_iter=self._iterator(batches), num_micro_batches=len(batches)
+        )
+        return float(loss)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        return self.optimizer.last_grad_norm
+
+    def named_parameters(self):
+        return self.module.named_parameters()
+
+    def global_num_parameters(self, local: int) -> int:
+        """Parameters of the whole model, each counted once (see ``_build_optimizer``)."""
+        count = torch.tensor(sum(p.numel() for p in self.optimizer.norm_params))
+        if self.dims.dp > 1 and self.dims.coords(self.rank)[1] != 0:
+            count.zero_()
+        dist.all_reduce(count)
+        return int(count)

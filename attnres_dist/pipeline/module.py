@@ -1,0 +1,142 @@
+"""The AttnRes GPT as a DeepSpeed ``PipelineModule``.
+
+The layer list is the single-process model's parts in order, each built by the same
+``ModelBuilder`` (so with the same weights):
+``[embedding, layer_0 .. layer_{n-1}, final aggregation, lm head]``. DeepSpeed names parameters
+by list index, so checkpoint keys are global and do not depend on the stage count. With tied
+embeddings the head is a ``TiedLayerSpec`` of the embedding; DeepSpeed keeps the two copies in
+sync and sums their gradients.
+
+Inside a stage, parts pass a ``DepthState``; at the stage's edges this module applies the
+activation contract: it unpacks the received ``[k, s, b, h]`` payload (checked against the
+block plan) before the first local part, and packs the state after the last one.
+"""
+
+from __future__ import annotations
+
+import torch
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+from attnres_dist.model.attnres_layer import configure_recompute
+from attnres_dist.model.depth_state import DepthState
+from attnres_dist.model.embedding_head import lm_loss
+from attnres_dist.model.gpt import ModelBuilder
+from attnres_dist.pipeline.contract import pack, unpack
+
+
+class EmbeddingPipe(torch.nn.Module):
+    def __init__(self, builder: ModelBuilder):
+        super().__init__()
+        self.embedding = builder.embedding()
+
+    def forward(self, tokens):
+        return self.embedding(tokens)
+
+
+def _tied_head(module: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
+    return module.embedding.logits(hidden)
+
+
+class LayerPipe(torch.nn.Module):
+    def __init__(self, builder: ModelBuilder, index: int):
+        super().__init__()
+        self.block = builder.layer(index)
+
+    def forward(self, state: DepthState) -> DepthState:
+        return self.block(state)
+
+
+class FinalPipe(torch.nn.Module):
+    def __init__(self, builder: ModelBuilder):
+        super().__init__()
+        self.final = builder.final()
+
+    def forward(self, state: DepthState) -> torch.Tensor:
+        return self.final(state)
+
+
+class OutputPipe(torch.nn.Module):
+    def __init__(self, builder: ModelBuilder):
+        super().__init__()
+        self.output = builder.output()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.output(hidden)
+
+
+def _loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return lm_loss(logits, labels)
+
+
+def layer_specs(builder: ModelBuilder) -> list:
+    n = builder.model.num_layers
+    if builder.model.tie_embeddings:
+        embed = TiedLayerSpec(
+            "embed", EmbeddingPipe, builder, tied_weight_attr=["embedding.word_embeddings.weight"]
+        )
+        head = TiedLayerSpec(
+            "embed",
+            EmbeddingPipe,
+            builder,
+            forward_fn=_tied_head,
+            tied_weight_attr=["embedding.word_embeddings.weight"],
+        )
+    else:
+        embed, head = LayerSpec(EmbeddingPipe, builder), LayerSpec(OutputPipe, builder)
+    return [
+        embed,
+        *(LayerSpec(LayerPipe, builder, i) for i in range(n)),
+        LayerSpec(FinalPipe, builder),
+        head,
+    ]
+
+
+class AttnResPipelineModule(PipelineModule):
+    """PipelineModule with precomputed ``parts`` and the activation contract at stage edges."""
+
+    def __init__(
+        self,
+        builder: ModelBuilder,
+        parts: list[int],
+        topology,
+        recompute: str = "none",
+        recompute_interval: int = 1,
+    ):
+        self._fixed_parts = list(parts)
+        self.plan = builder.plan
+        super().__init__(
+            layers=layer_specs(builder),
+            topology=topology,
+            loss_fn=_loss_fn,
+            partition_method="fixed",
+            activation_checkpoint_interval=0,  # recompute is done by the layers themselves
+        )
+        local_layers = [f.block for f in self.forward_funcs if isinstance(f, LayerPipe)]
+        configure_recompute(local_layers, recompute, recompute_interval)
+
+    def _partition_layers(self, method="fixed"):
+        if len(self._fixed_parts) != self.num_stages + 1:
+            raise ValueError(
+                f"partition {self._fixed_parts} does not have {self.num_stages} stages"
+            )
+        self.parts = self._fixed_parts
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+    @property
+    def stage_layers(self) -> tuple[int, int]:
+        """Model-part indices [start, stop) owned by this stage."""
+        return self._local_start, self._local_stop
+
+    def forward(self, forward_input):
+        start = self._local_start
+        if 1 <= start <= self.plan.num_layers + 1:  # this stage starts with a layer or final
+            layers_done = start - 1
+            forward_input = unpack(
+                forward_input,
+                self.plan,
+                layers_done,
+                f"boundary into stage {self.stage_id} (after {layers_done} layers)",
+            )
+        out = super().forward(forward_input)
+        return pack(out) if isinstance(out, DepthState) else out

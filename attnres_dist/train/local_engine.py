@@ -1,0 +1,50 @@
+"""The single-process engine: the reference every parallel layout is compared against.
+
+One optimizer step = forward and backward over each micro-batch (loss scaled by 1/M so the
+gradients are those of the mean loss), optional global-norm clipping, AdamW, LR schedule:
+the same arithmetic DeepSpeed's pipeline engine performs, in plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnres_dist.model.gpt import AttnResGPT
+from attnres_dist.train.config import OptimConfig
+from attnres_dist.train.optim import build_optimizer
+
+
+class LocalEngine:
+    def __init__(self, model: AttnResGPT, optim: OptimConfig, total_steps: int):
+        self.model = model
+        self.grad_clip = optim.grad_clip
+        self.optimizer, self.scheduler = build_optimizer(model, optim, total_steps)
+        self.last_grad_norm: float | None = None
+
+    def train_step(self, micro_batches: list[torch.Tensor]) -> float:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for window in micro_batches:
+            loss = self.model.loss(window)
+            (loss / len(micro_batches)).backward()
+            total += loss.item()
+        if self.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            self.last_grad_norm = float(norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        return total / len(micro_batches)
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list[torch.Tensor]) -> float:
+        self.model.eval()
+        losses = [self.model.loss(window).item() for window in batches]
+        return sum(losses) / len(losses)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def named_parameters(self):
+        return self.model.named_parameters()

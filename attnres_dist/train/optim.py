@@ -1,0 +1,50 @@
+"""Optimizer and learning-rate schedule, shared by the single-process and pipelined engines.
+
+AdamW from ``torch.optim`` (DeepSpeed's config-declared Adam JIT-builds a fused op and Megatron's
+optimizer is CUDA-bound; DESIGN.md section 4), with weight decay on matrices only: norms' gains
+and the depth-attention queries are vectors and are not decayed. Linear warm-up then cosine
+decay to ``min_lr``, as a ``LambdaLR`` that both engines step once per optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attnres_dist.train.config import OptimConfig
+
+
+def lr_factor(step: int, optim: OptimConfig, total_steps: int) -> float:
+    """Multiplier of ``optim.lr`` for optimizer step ``step`` (0-based)."""
+    if optim.warmup_steps > 0 and step < optim.warmup_steps:
+        return (step + 1) / optim.warmup_steps
+    decay_steps = max(1, total_steps - optim.warmup_steps)
+    progress = min(1.0, (step - optim.warmup_steps) / decay_steps)
+    floor = optim.min_lr / optim.lr
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for _, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(model: torch.nn.Module, optim: OptimConfig, total_steps: int):
+    """AdamW and its LambdaLR schedule."""
+    optimizer = torch.optim.AdamW(
+        param_groups(model, optim.weight_decay),
+        lr=optim.lr,
+        betas=(optim.beta1, optim.beta2),
+        eps=optim.eps,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, optim, total_steps)
+    )
+    return optimizer, scheduler

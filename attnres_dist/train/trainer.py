@@ -1,0 +1,155 @@
+"""The Trainer: build everything a run needs from its Config, then train.
+
+``Trainer(cfg).train()`` starts the process groups, opens the dataset (building the embedded
+default corpus on first use), builds the model parts and the engine, and runs the loop:
+deterministic global batches, one optimizer step each, periodic validation, metrics. A world of
+one process runs the plain-PyTorch reference engine; anything larger runs the DeepSpeed pipeline
+engine over the same parts. Both see exactly the same data at every step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from attnres_dist import data as data_lib
+from attnres_dist.errors import ConfigError
+from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
+from attnres_dist.parallel.dims import ParallelDims
+from attnres_dist.parallel.process_groups import init_distributed
+from attnres_dist.train.config import Config
+from attnres_dist.train.metrics import MetricsWriter
+
+
+def resolve_dataset(cfg: Config):
+    """(train windows, valid windows, metadata) for the configured or the default dataset."""
+    prefix = cfg.data.path
+    if prefix is None:
+        prefix = data_lib.ensure_default_corpus(cfg.data.cache_dir)
+    return data_lib.open_dataset(prefix, cfg.model.seq_length, cfg.model.vocab_size)
+
+
+def model_vocab_size(cfg: Config, meta: dict) -> int:
+    vocab = cfg.model.vocab_size or int(meta["vocab_size"])
+    if vocab < int(meta["vocab_size"]):
+        raise ConfigError(
+            "model.vocab_size",
+            f"got {vocab}; the dataset's tokenizer has {meta['vocab_size']} tokens",
+        )
+    return vocab
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.dims = ParallelDims(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp)
+        self.launch = init_distributed(self.dims, cfg.parallel.timeout_s, cfg.train.seed)
+        torch.manual_seed(cfg.train.seed)
+        self.train_data, self.valid_data, self.meta = resolve_dataset(cfg)
+        self.builder = ModelBuilder(
+            cfg.model, model_vocab_size(cfg, self.meta), tp=self.dims.tp, seed=cfg.train.seed
+        )
+        self.engine = self._build_engine()
+        self.is_logger = self.launch.rank == 0
+        self.run_dir = Path(cfg.output.run_dir)
+        self.metrics = MetricsWriter(
+            self.run_dir,
+            cfg.train.steps,
+            tensorboard=cfg.output.tensorboard,
+            progress=cfg.train.progress,
+            enabled=self.is_logger,
+        )
+
+    def _build_engine(self):
+        cfg = self.cfg
+        if self.dims.world_size == 1:
+            from attnres_dist.train.local_engine import LocalEngine
+
+            model = AttnResGPT(
+                self.builder, cfg.parallel.recompute, cfg.parallel.recompute_interval
+            )
+            return LocalEngine(model, cfg.optim, cfg.train.steps)
+        from attnres_dist.pipeline.engine import PipelineEngine
+
+        return PipelineEngine(cfg, self.builder, self.dims, self.launch)
+
+    # -- data ------------------------------------------------------------------------------
+
+    def micro_batches(self, step: int) -> list[torch.Tensor]:
+        """This data-parallel rank's micro-batches of global batch ``step``."""
+        t = self.cfg.train
+        batch = self.train_data.global_batch(step, t.global_batch_size, t.seed)
+        dp_rank = self.dims.coords(self.launch.rank)[1]
+        return data_lib.split_micro_batches(batch, t.micro_batch_size, dp_rank, self.dims.dp)
+
+    def eval_batches(self) -> list[torch.Tensor]:
+        t = self.cfg.train
+        return self.valid_data.eval_batches(t.eval_batches, t.micro_batch_size)
+
+    # -- loop ------------------------------------------------------------------------------
+
+    def evaluate(self, step: int) -> float:
+        loss = self.engine.eval_loss(self.eval_batches())
+        self.metrics.log(step, "valid", loss=loss, ppl=math.exp(min(loss, 50.0)))
+        self.metrics.message(f"step {step}: validation loss {loss:.4f} (ppl {math.exp(loss):.3f})")
+        return loss
+
+    def train(self) -> dict:
+        cfg, t = self.cfg, self.cfg.train
+        self.save_config()
+        self.metrics.message(
+            f"{self.builder.plan.describe()}; {self.dims.describe()}; "
+            f"{self.num_parameters():,} parameters; {len(self.train_data):,} train windows"
+        )
+        tokens_per_step = t.global_batch_size * cfg.model.seq_length
+        start = time.perf_counter()
+        window_start, window_tokens = start, 0
+        losses = []
+        valid_loss = None
+        for step in range(t.steps):
+            loss = self.engine.train_step(self.micro_batches(step))
+            losses.append(loss)
+            window_tokens += tokens_per_step
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"non-finite training loss {loss} at step {step + 1}")
+            if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
+                now = time.perf_counter()
+                tps = window_tokens / max(now - window_start, 1e-9)
+                window_start, window_tokens = now, 0
+                self.metrics.log(step + 1, "train", loss=loss, lr=self.engine.lr, tokens_per_s=tps)
+                self.metrics.progress(step + 1, loss=loss, tok_s=tps)
+            if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 != t.steps:
+                self.evaluate(step + 1)
+        valid_loss = self.evaluate(t.steps)
+        wall = time.perf_counter() - start
+        summary = {
+            "steps": t.steps,
+            "final_train_loss": losses[-1],
+            "final_valid_loss": valid_loss,
+            "final_valid_ppl": math.exp(min(valid_loss, 50.0)),
+            "wall_time_s": round(wall, 2),
+            "tokens_per_s": round(tokens_per_step * t.steps / wall, 1),
+            "train_losses": losses,
+        }
+        if self.is_logger:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.metrics.close()
+        return summary
+
+    def num_parameters(self) -> int:
+        total = sum(p.numel() for _, p in self.engine.named_parameters())
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            return self.engine.global_num_parameters(total)
+        return total
+
+    def save_config(self) -> None:
+        if self.is_logger:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            import yaml
+
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict()))
