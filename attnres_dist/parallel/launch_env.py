@@ -41,15 +41,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _mpi_rank_size() -> tuple[int, int, int] | None:
+def _mpi_rank_size() -> tuple[int, int, int | None] | None:
+    """Rank, size and (when the launcher says) local rank from an MPI launcher's environment.
+
+    MPICH's hydra sets ``PMI_RANK``, ``PMI_SIZE`` and ``MPI_LOCALRANKID`` (checked with the
+    ``mpich`` wheel, 5.0); Open MPI sets ``OMPI_COMM_WORLD_*``; PMIx launchers ``PMIX_*``.
+    """
     for rank_key, size_key, local_key in (
         ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
         ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
         ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK"),
     ):
         if rank_key in os.environ and size_key in os.environ:
-            rank = int(os.environ[rank_key])
-            return rank, int(os.environ[size_key]), int(os.environ.get(local_key, rank))
+            local = os.environ.get(local_key)
+            return (
+                int(os.environ[rank_key]),
+                int(os.environ[size_key]),
+                None if local is None else int(local),
+            )
     return None
 
 
@@ -67,22 +76,60 @@ def detect_launch_env() -> LaunchEnv:
         )
     mpi = _mpi_rank_size()
     if mpi is not None and mpi[1] > 1:
-        return _from_mpi(*mpi)
+        return _from_mpi(mpi[2])
     return LaunchEnv("single", 0, 1, 0, "127.0.0.1", free_port())
 
 
-def _from_mpi(rank: int, size: int, local_rank: int) -> LaunchEnv:
-    """Rank 0 chooses the rendezvous endpoint and broadcasts it over MPI."""
+def _from_mpi(local_rank: int | None) -> LaunchEnv:
+    """Rank 0 chooses the rendezvous endpoint and broadcasts it over MPI.
+
+    Every rank's host name is gathered first: it tells rank 0 whether the job spans hosts
+    (then loopback will not do) and which peer to route to, and gives each rank its local rank
+    when the launcher did not export one.
+    """
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    host = socket.gethostname()
+    hosts = comm.allgather(host)
+    if local_rank is None:
+        local_rank = hosts[:rank].count(host)
     endpoint = None
-    if comm.Get_rank() == 0:
-        addr = os.environ.get("MASTER_ADDR") or _routable_address()
+    if rank == 0:
+        addr = os.environ.get("MASTER_ADDR") or master_address(host, hosts)
         port = int(os.environ.get("MASTER_PORT") or free_port())
         endpoint = (addr, port)
     addr, port = comm.bcast(endpoint, root=0)
-    return LaunchEnv("mpirun", comm.Get_rank(), comm.Get_size(), local_rank, addr, port)
+    return LaunchEnv("mpirun", rank, comm.Get_size(), local_rank, addr, port)
+
+
+def master_address(host: str, hosts: list[str]) -> str:
+    """The address rank 0 (on ``host``) announces to ranks on ``hosts``.
+
+    Loopback when every rank shares the host. Otherwise the source address of this host's
+    route to another rank's host: the host name's own address is unreliable, since many
+    distributions map it to 127.0.1.1 in /etc/hosts.
+    """
+    peers = [h for h in hosts if h != host]
+    if not peers:
+        return "127.0.0.1"
+    for peer in dict.fromkeys(peers):
+        addr = _route_source(peer)
+        if addr is not None:
+            return addr
+    return _routable_address()
+
+
+def _route_source(peer: str) -> str | None:
+    """This host's address on the route to ``peer`` (a UDP connect sends no packet)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((socket.gethostbyname(peer), 9))
+            addr = sock.getsockname()[0]
+    except OSError:
+        return None
+    return None if addr.startswith("127.") else addr
 
 
 def _routable_address() -> str:

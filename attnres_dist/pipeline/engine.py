@@ -18,7 +18,9 @@ import torch.distributed as dist
 
 from attnres_dist.model.gpt import ModelBuilder
 from attnres_dist.parallel.dims import ParallelDims
+from attnres_dist.parallel.tp_shards import gather_full
 from attnres_dist.pipeline.module import AttnResPipelineModule
+from attnres_dist.pipeline.naming import canonical_name
 from attnres_dist.pipeline.partition import compute_parts
 from attnres_dist.train.config import Config
 from attnres_dist.train.optim import lr_factor, param_groups
@@ -151,3 +153,30 @@ class PipelineEngine:
             count.zero_()
         dist.all_reduce(count)
         return int(count)
+
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        """Every parameter, full (tensor-parallel gathered) and canonically named, on rank 0.
+
+        Collective: every rank must call it. Other ranks get None.
+        """
+        from megatron.core import parallel_state
+
+        stage, dp_rank, tp_rank = self.dims.coords(self.rank)
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        n = self.cfg.model.num_layers
+        tied = {id(p) for p in self.module.tied_modules.parameters()}
+        local = {}
+        for name, param in self.module.named_parameters():
+            if id(param) in tied and stage != 0:
+                continue
+            full = gather_full(param, tp_group)
+            if dp_rank == 0 and tp_rank == 0:
+                local[canonical_name(name, n)] = full
+        gathered = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object(local, gathered, dst=0)
+        if self.rank != 0:
+            return None
+        merged = {}
+        for part in gathered:
+            merged.update(part)
+        return merged

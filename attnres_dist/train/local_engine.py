@@ -48,3 +48,7 @@ class LocalEngine:
 
     def named_parameters(self):
         return self.model.named_parameters()
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter by its canonical name (the single-process names)."""
+        return {name: p.detach().clone() for name, p in self.model.named_parameters()}

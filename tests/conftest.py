@@ -1,0 +1,51 @@
+"""Shared fixtures: a small prepared dataset, free ports, and a runner for multi-process jobs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from attnres_dist.parallel.launch_env import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="session")
+def small_dataset(tmp_path_factory) -> str:
+    """A byte-level dataset of ~40 standard-library modules, prepared with prepare-data."""
+    from attnres_dist.data import build_tokenizer, prepare_dataset
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(str(p) for p in stdlib.glob("*.py"))[:40]
+    out = tmp_path_factory.mktemp("data") / "small"
+    return prepare_dataset(files, str(out), build_tokenizer("bytes", None), valid_fraction=0.1)
+
+
+def run_job(args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None):
+    """Run ``python args...`` in one process, or under torchrun with ``nproc`` ranks."""
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    full_env.update(env or {})
+    if nproc == 1:
+        cmd = [sys.executable, *args]
+    else:
+        cmd = [
+            str(VENV_BIN / "torchrun"),
+            f"--nproc_per_node={nproc}",
+            f"--master_port={free_port()}",
+            *args,
+        ]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {proc.returncode}\n--- stderr tail ---\n"
+            + "\n".join(proc.stderr.splitlines()[-40:])
+        )
+    return proc
