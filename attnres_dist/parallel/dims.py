@@ -27,9 +27,9 @@ class ParallelDims:
         if world_size != self.world_size:
             raise ConfigError(
                 "parallel",
-                f"pp * dp * tp = {self.pp} * {self.dp} * {self.tp} = {self.world_size} but the "
-                f"{launcher} started {world_size} processes; change parallel.* or the process "
-                "count",
+                f"pp * dp * tp = {self.pp} * {self.dp} * {self.tp} = {self.world_size} but "
+                f"{world_size} processes were started ({launcher}); change parallel.* or the "
+                "process count",
             )
 
     def coords(self, rank: int) -> tuple[int, int, int]:

@@ -304,6 +304,18 @@ def validate(cfg: Config) -> None:
     )
     m.block_plan()  # raises on an invalid block size
 
+    d = cfg.data
+    _require(
+        d.tokenizer in ("bytes", "hf"),
+        "data.tokenizer",
+        f"got {d.tokenizer!r}; allowed: bytes, hf (with data.tokenizer_path)",
+    )
+    _require(
+        d.tokenizer != "hf" or bool(d.tokenizer_path),
+        "data.tokenizer_path",
+        "is required with data.tokenizer: hf (path to a tokenizer.json)",
+    )
+
     _require(t.steps >= 1, "train.steps", f"got {t.steps}; must be >= 1")
     _require(t.micro_batch_size >= 1, "train.micro_batch_size", f"got {t.micro_batch_size}")
     per_step = t.micro_batch_size * p.dp

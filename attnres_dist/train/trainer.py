@@ -48,12 +48,12 @@ class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.dims = ParallelDims(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp)
+        # all input checks (data, vocabulary, world size) run before any process group starts
+        self.train_data, self.valid_data, self.meta = resolve_dataset(cfg)
+        vocab = model_vocab_size(cfg, self.meta)
         self.launch = init_distributed(self.dims, cfg.parallel.timeout_s, cfg.train.seed)
         torch.manual_seed(cfg.train.seed)
-        self.train_data, self.valid_data, self.meta = resolve_dataset(cfg)
-        self.builder = ModelBuilder(
-            cfg.model, model_vocab_size(cfg, self.meta), tp=self.dims.tp, seed=cfg.train.seed
-        )
+        self.builder = ModelBuilder(cfg.model, vocab, tp=self.dims.tp, seed=cfg.train.seed)
         self.engine = self._build_engine()
         self.is_logger = self.launch.rank == 0
         self.run_dir = Path(cfg.output.run_dir)
