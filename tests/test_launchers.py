@@ -1,0 +1,403 @@
+"""Tests for launch/{torchrun,deepspeed,mpirun}.sh and the MPI side of launch_env.
+
+Fast tests check what ``--dry-run`` prints (single node and multi-node: one line per node for
+the per-node launchers, one hostfile-driven line for mpirun). The slow tests run a real 2-stage
+pipeline job to completion through each script, on one node and as two simulated nodes on this
+machine, and check its summary.json. Each real job spends most of its ~10-30 s importing
+Megatron-Core and DeepSpeed in every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from attnres_dist.parallel import launch_env
+from attnres_dist.parallel.launch_env import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH = REPO / "launch"
+VENV_PY = REPO / ".venv" / "bin" / "python"
+LAUNCHERS = ["torchrun", "deepspeed", "mpirun"]
+
+# Two pipeline stages, two layers, three steps: the smallest job that still exercises the
+# pipeline engine end to end (send/recv between stages, evaluation, summary).
+TINY_JOB = [
+    "--config",
+    "configs/tiny.yaml",
+    "parallel.pp=2",
+    "train.steps=3",
+    "optim.warmup_steps=0",
+    "train.eval_every=0",
+    "train.eval_batches=2",
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.seq_length=32",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=4",
+    "train.progress=false",
+]
+
+# Variables the scripts read; cleared so the caller's shell cannot change what is tested.
+LAUNCH_VARS = [
+    "NPROC",
+    "NNODES",
+    "NODE_RANK",
+    "RDZV_ENDPOINT",
+    "RDZV_ID",
+    "LOCAL_ADDR",
+    "MAX_RESTARTS",
+    "HOSTFILE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "MPIRUN",
+    "PYTHON",
+    "OMP_NUM_THREADS",
+]
+
+
+def script_env(**overrides: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env["PYTHONWARNINGS"] = "ignore"
+    env.update(overrides)
+    return env
+
+
+def dry_run(launcher: str, *args: str, **env: str) -> list[list[str]]:
+    """The commands ``--dry-run`` prints, each split as a shell would."""
+    proc = subprocess.run(
+        [str(LAUNCH / f"{launcher}.sh"), "--dry-run", *args],
+        cwd=REPO,
+        env=script_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if not line.startswith("#")]
+    return [shlex.split(line) for line in lines]
+
+
+def split_env(words: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Leading NAME=value words become the environment; the rest is the command."""
+    env = {}
+    while words and "=" in words[0] and not words[0].startswith(("/", "-")):
+        name, value = words[0].split("=", 1)
+        env[name] = value
+        words = words[1:]
+    return env, words
+
+
+def train_args(cmd: list[str]) -> list[str]:
+    """The arguments after ``attnres_dist.cli train``."""
+    i = cmd.index("attnres_dist.cli")
+    assert cmd[i + 1] == "train"
+    return cmd[i + 2 :]
+
+
+# Arguments that would break on any quoting mistake: a space, quotes, a shell variable.
+AWKWARD = ["output.run_dir=/tmp/a dir/it's", 'name="x y"', "tag=$HOME", "--config", "c.yaml"]
+
+
+# ---------------------------------------------------------------------------------------------
+# --dry-run, one node
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_dry_run_single_node_quotes_arguments_and_sets_threads(launcher):
+    (line,) = dry_run(launcher, *AWKWARD)
+    env, cmd = split_env(line)
+    if launcher == "mpirun":
+        # hydra gets the variable with -genv NAME VALUE instead of a prefix
+        i = cmd.index("-genv")
+        assert cmd[i + 1 : i + 3] == ["OMP_NUM_THREADS", "1"]
+        assert Path(cmd[0]) == REPO / ".venv" / "bin" / "mpirun"
+        assert cmd[cmd.index("-np") + 1] == "2"
+    else:
+        assert env["OMP_NUM_THREADS"] == "1"
+        assert cmd[0] == str(VENV_PY)
+    assert str(VENV_PY) in cmd
+    assert train_args(cmd) == AWKWARD
+
+
+def test_dry_run_keeps_user_thread_count_and_nproc():
+    (line,) = dry_run("torchrun", OMP_NUM_THREADS="3", NPROC="4")
+    env, cmd = split_env(line)
+    assert env["OMP_NUM_THREADS"] == "3"
+    assert "--nproc-per-node=4" in cmd
+    (line,) = dry_run("mpirun", OMP_NUM_THREADS="3", NPROC="4")
+    assert line[line.index("-np") + 1] == "4"
+    assert line[line.index("-genv") + 1 : line.index("-genv") + 3] == ["OMP_NUM_THREADS", "3"]
+
+
+def test_dry_run_torchrun_single_node_uses_standalone_rendezvous():
+    (line,) = dry_run("torchrun")
+    _, cmd = split_env(line)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert "--standalone" in cmd  # rendezvous on port 0: never torchrun's default 29500
+    assert not any(w.startswith(("--master-port", "--master_port")) for w in cmd)
+    assert cmd[cmd.index("--standalone") + 1 :][:2] == ["-m", "attnres_dist.cli"]
+
+
+def test_dry_run_torchrun_max_restarts_gets_its_own_store():
+    (line,) = dry_run("torchrun", MAX_RESTARTS="2")
+    env, cmd = split_env(line)
+    assert "--max-restarts=2" in cmd
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+
+
+def test_dry_run_deepspeed_single_node_sizes_job_and_picks_free_port():
+    (line,) = dry_run("deepspeed", NPROC="3")
+    _, cmd = split_env(line)
+    assert cmd[1:3] == ["-m", "deepspeed.launcher.runner"]
+    assert "--num_gpus=3" in cmd  # on CPU the runner would otherwise count NUMA nodes
+    assert "--hostfile=/dev/null" in cmd
+    port = int(next(w for w in cmd if w.startswith("--master_port=")).split("=")[1])
+    assert port != 29500 and port > 0
+    i = cmd.index("attnres_dist.cli")
+    assert cmd[i - 2 : i] == ["--module", "--no_local_rank"]
+    (line,) = dry_run("deepspeed", MASTER_PORT="31234")
+    assert "--master_port=31234" in line
+
+
+def test_dry_run_without_venv_puts_checkout_on_pythonpath(tmp_path):
+    # An interpreter that cannot import the package: a wrapper running Python in isolated
+    # mode (-I drops PYTHONPATH and the user site) with site-packages switched off (-S).
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\nexec {VENV_PY} -I -S "$@"\n')
+    wrapper.chmod(0o755)
+    (line,) = dry_run("torchrun", PYTHON=str(wrapper))
+    env, cmd = split_env(line)
+    assert env["PYTHONPATH"].split(":")[0] == str(REPO)
+    assert cmd[0] == str(wrapper)
+
+
+# ---------------------------------------------------------------------------------------------
+# --dry-run, several nodes
+
+
+def test_dry_run_torchrun_multi_node_prints_one_line_per_node():
+    lines = dry_run(
+        "torchrun",
+        "train.steps=7",
+        NNODES="2",
+        NPROC="8",
+        RDZV_ENDPOINT="node-a:29400",
+        RDZV_ID="job42",
+        NODE_RANK="1",
+        LOCAL_ADDR="10.0.0.2",
+    )
+    assert len(lines) == 2
+    for rank, line in enumerate(lines):
+        _, cmd = split_env(line)
+        assert "--nnodes=2" in cmd and "--nproc-per-node=8" in cmd
+        assert "--rdzv-backend=c10d" in cmd and "--rdzv-endpoint=node-a:29400" in cmd
+        assert "--rdzv-id=job42" in cmd
+        assert f"--rdzv-conf=is_host={'true' if rank == 0 else 'false'}" in cmd
+        # LOCAL_ADDR describes the node it is set on (NODE_RANK=1) only
+        assert ("--local-addr=10.0.0.2" in cmd) == (rank == 1)
+        assert "--standalone" not in cmd
+        assert train_args(cmd) == ["train.steps=7"]
+
+
+def test_dry_run_torchrun_elastic_node_range_prints_max_nodes():
+    lines = dry_run("torchrun", NNODES="1:3", RDZV_ENDPOINT="h:1234")
+    assert len(lines) == 3
+    assert all("--nnodes=1:3" in line for line in lines)
+
+
+def write_hostfile(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def test_dry_run_deepspeed_multi_node_prints_one_line_per_host(tmp_path):
+    hostfile = write_hostfile(tmp_path / "hosts", "# two nodes\nnode-a slots=8\n\nnode-b slots=8\n")
+    lines = dry_run("deepspeed", "x=1", HOSTFILE=hostfile)
+    assert len(lines) == 2
+    for rank, line in enumerate(lines):
+        env, cmd = split_env(line)
+        assert env["OMP_NUM_THREADS"] == "1"
+        assert f"--hostfile={hostfile}" in cmd
+        assert "--no_ssh" in cmd and f"--node_rank={rank}" in cmd
+        assert "--master_addr=node-a" in cmd  # the hostfile's first host runs rank 0
+        assert "--master_port=29500" in cmd  # must agree across nodes: no local free port
+        assert not any(w.startswith("--num_gpus") for w in cmd)  # the slots decide
+        assert train_args(cmd) == ["x=1"]
+    lines = dry_run(
+        "deepspeed", HOSTFILE=hostfile, MASTER_ADDR="10.0.0.1", MASTER_PORT="6000", NPROC="2"
+    )
+    assert all(
+        "--master_addr=10.0.0.1" in line and "--master_port=6000" in line and "--num_gpus=2" in line
+        for line in lines
+    )
+
+
+def test_dry_run_mpirun_multi_node_is_one_command_over_all_hosts(tmp_path):
+    hostfile = write_hostfile(tmp_path / "hosts", "node-a slots=8\nnode-b:4\nnode-c\n")
+    (line,) = dry_run("mpirun", "x=1", HOSTFILE=hostfile, MASTER_ADDR="10.0.0.1")
+    assert line[line.index("-hosts") + 1] == "node-a:8,node-b:4,node-c:1"
+    assert line[line.index("-np") + 1] == "13"
+    genv = [line[i + 1 : i + 3] for i, w in enumerate(line) if w == "-genv"]
+    assert ["MASTER_ADDR", "10.0.0.1"] in genv and ["OMP_NUM_THREADS", "1"] in genv
+    assert train_args(line) == ["x=1"]
+    (line,) = dry_run("mpirun", HOSTFILE=hostfile, NPROC="4")
+    assert line[line.index("-np") + 1] == "4"
+
+
+def run_script_fast(launcher: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(LAUNCH / f"{launcher}.sh"), *args],
+        cwd=REPO,
+        env=script_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_multi_node_misconfigurations_fail_before_launching(tmp_path):
+    proc = run_script_fast("torchrun", "--dry-run", NNODES="2")
+    assert proc.returncode == 2 and "RDZV_ENDPOINT" in proc.stderr
+    proc = run_script_fast("torchrun", NNODES="2", RDZV_ENDPOINT="h:1")
+    assert proc.returncode == 2 and "NODE_RANK" in proc.stderr
+    proc = run_script_fast("torchrun", NNODES="2", RDZV_ENDPOINT="h:1", NODE_RANK="2")
+    assert proc.returncode == 2 and "NODE_RANK=2" in proc.stderr
+    hostfile = write_hostfile(tmp_path / "hosts", "a slots=1\nb slots=1\n")
+    proc = run_script_fast("deepspeed", HOSTFILE=hostfile)
+    assert proc.returncode == 2 and "NODE_RANK" in proc.stderr
+    bad = write_hostfile(tmp_path / "bad", "a:1\n")
+    proc = run_script_fast("deepspeed", "--dry-run", HOSTFILE=bad)
+    assert proc.returncode == 2 and "slots=N" in proc.stderr
+    proc = run_script_fast("mpirun", "--dry-run", HOSTFILE=str(tmp_path / "missing"))
+    assert proc.returncode == 2 and "no such file" in proc.stderr
+
+
+def test_help_prints_the_usage_header():
+    for launcher in LAUNCHERS:
+        proc = run_script_fast(launcher, "--help")
+        assert proc.returncode == 0
+        assert proc.stdout.startswith(f"launch/{launcher}.sh:")
+        assert "--dry-run" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# launch_env under MPI
+
+
+def test_mpich_environment_is_detected(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("PMI_RANK", "3")
+    monkeypatch.setenv("PMI_SIZE", "4")
+    monkeypatch.setenv("MPI_LOCALRANKID", "1")
+    assert launch_env._mpi_rank_size() == (3, 4, 1)
+    monkeypatch.delenv("MPI_LOCALRANKID")
+    assert launch_env._mpi_rank_size() == (3, 4, None)  # then derived from host names
+
+
+def test_master_address_is_loopback_on_one_host_and_routable_across_hosts():
+    assert launch_env.master_address("a", ["a", "a"]) == "127.0.0.1"
+    # A peer reached through a real interface: the announced address is that interface's,
+    # never loopback (host names often resolve to 127.0.1.1 through /etc/hosts).
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(("192.0.2.1", 9))  # TEST-NET-1: routed by the default route, if any
+            expected = sock.getsockname()[0]
+        except OSError:
+            pytest.skip("no default route on this machine")
+    if expected.startswith("127."):
+        pytest.skip("only loopback routes on this machine")
+    assert launch_env.master_address("a", ["a", "192.0.2.1"]) == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# Real jobs
+
+
+def start(launcher: str, run_dir: Path, log: Path, **env: str) -> subprocess.Popen:
+    """Start a launch script in its own session, so a timeout can stop every rank it started."""
+    return subprocess.Popen(
+        [str(LAUNCH / f"{launcher}.sh"), *TINY_JOB, f"output.run_dir={run_dir}"],
+        cwd=REPO,
+        env=script_env(**env),
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 300) -> None:
+    try:
+        for proc in procs:
+            proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        pytest.fail(f"launcher timed out after {timeout} s\n" + tails(logs))
+    codes = [proc.returncode for proc in procs]
+    assert codes == [0] * len(procs), f"exit codes {codes}\n" + tails(logs)
+
+
+def tails(logs: list[Path]) -> str:
+    out = []
+    for log in logs:
+        lines = log.read_text(errors="replace").splitlines()
+        out.append(f"--- {log.name} (last 40 lines) ---\n" + "\n".join(lines[-40:]))
+    return "\n".join(out)
+
+
+def assert_finished(run_dir: Path, logs: list[Path]) -> None:
+    summary_path = run_dir / "summary.json"
+    assert summary_path.exists(), tails(logs)
+    summary = json.loads(summary_path.read_text())
+    assert summary["steps"] == 3
+    assert math.isfinite(summary["final_valid_loss"])
+    assert any("final validation loss" in log.read_text(errors="replace") for log in logs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_real_two_stage_job_on_one_node(launcher, tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / f"{launcher}.log"
+    wait_all([start(launcher, run_dir, log)], [log])
+    assert_finished(run_dir, [log])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_real_two_stage_job_on_two_simulated_nodes(launcher, tmp_path):
+    """Two nodes of one rank each, both on this machine, through each multi-node path."""
+    run_dir = tmp_path / "run"
+    if launcher == "mpirun":
+        # hydra treats "localhost" and this host's name as two hosts and starts both locally
+        hostfile = write_hostfile(
+            tmp_path / "hosts", f"localhost slots=1\n{socket.gethostname()} slots=1\n"
+        )
+        log = tmp_path / "mpirun.log"
+        wait_all([start("mpirun", run_dir, log, HOSTFILE=hostfile)], [log])
+        assert_finished(run_dir, [log])
+        return
+    if launcher == "torchrun":
+        common = dict(
+            NNODES="2", NPROC="1", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}", RDZV_ID="test"
+        )
+    else:
+        hostfile = write_hostfile(tmp_path / "hosts", "node-0 slots=1\nnode-1 slots=1\n")
+        common = dict(HOSTFILE=hostfile, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    logs = [tmp_path / f"{launcher}-node{rank}.log" for rank in range(2)]
+    procs = [
+        start(launcher, run_dir, logs[rank], NODE_RANK=str(rank), **common) for rank in range(2)
+    ]
+    wait_all(procs, logs)
+    assert_finished(run_dir, logs)
