@@ -26,9 +26,13 @@ def _train(args) -> int:
     from attnres_dist.train.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    from attnres_dist.parallel.process_groups import shutdown_distributed
     from attnres_dist.train.trainer import Trainer
 
-    summary = Trainer(cfg).train()
+    try:
+        summary = Trainer(cfg).train()
+    finally:
+        shutdown_distributed()
     if int(os.environ.get("RANK", "0")) == 0:
         print(
             f"final validation loss {summary['final_valid_loss']:.4f} "
