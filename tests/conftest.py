@@ -44,8 +44,12 @@ def run_job(args: list[str], nproc: int = 1, timeout: int = 600, env: dict | Non
         cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout
     )
     if proc.returncode != 0:
+        lines = proc.stderr.splitlines()
+        causes = [ln for ln in lines if any(k in ln for k in ("Error", "what()", "error:"))]
         raise AssertionError(
-            f"{' '.join(cmd)} exited {proc.returncode}\n--- stderr tail ---\n"
-            + "\n".join(proc.stderr.splitlines()[-40:])
+            f"{' '.join(cmd)} exited {proc.returncode}\n--- error lines ---\n"
+            + "\n".join(causes[:30])
+            + "\n--- stderr tail ---\n"
+            + "\n".join(lines[-40:])
         )
     return proc
