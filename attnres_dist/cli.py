@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 from attnres_dist.errors import UserError
 
@@ -87,7 +88,18 @@ def _split_local_rank(argv: list[str]) -> list[str]:
     return out
 
 
+# Notices from third-party imports that say nothing actionable on a CPU box: Megatron-Core
+# announcing its torch fallbacks when Apex / Transformer Engine are absent. The fast paths that
+# are actually used are reported by the trainer.
+_QUIET = (
+    r".*(Apex|Transformer Engine and Apex) (is|are) not installed.*",
+    r"full scope is deprecated.*",
+)
+
+
 def main(argv: list[str] | None = None) -> int:
+    for pattern in _QUIET:
+        warnings.filterwarnings("ignore", message=pattern)
     argv = _split_local_rank(sys.argv[1:] if argv is None else list(argv))
     args = build_parser().parse_args(argv)
     try:

@@ -123,6 +123,12 @@ class AttnResPipelineModule(PipelineModule):
         stage = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
+    def _synchronize_tied_weights(self):
+        # DeepSpeed broadcasts the tied parameters in place; outside no_grad that records an
+        # autograd node for c10d::broadcast_ on a leaf (torch warns it may backprop through it).
+        with torch.no_grad():
+            super()._synchronize_tied_weights()
+
     @property
     def stage_layers(self) -> tuple[int, int]:
         """Model-part indices [start, stop) owned by this stage."""
