@@ -48,6 +48,15 @@ def _check_config(args) -> int:
     cfg = load_config(args.config, args.overrides)
     plan = cfg.model.block_plan()
     print(f"ok: {plan.describe()}; world size {cfg.world_size}")
+    if cfg.parallel.pp > 1:
+        from attnres_dist.model.megatron_config import padded_vocab_size
+        from attnres_dist.pipeline.contract import boundary_specs_for_config, format_specs
+        from attnres_dist.pipeline.partition import compute_parts, describe_parts
+
+        m, p = cfg.model, cfg.parallel
+        vocab = padded_vocab_size(m.vocab_size or 257, m.make_vocab_size_divisible_by, p.tp)
+        print("\n".join(describe_parts(compute_parts(m, p.pp, p.partition, vocab), m.num_layers)))
+        print(format_specs(boundary_specs_for_config(cfg, vocab)))
     return 0
 
 
