@@ -67,8 +67,11 @@ def init_distributed(
 
 
 def shutdown_distributed() -> None:
+    """Tear down after every rank has arrived, so no rank closes connections a peer still uses."""
     from megatron.core import parallel_state
 
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
