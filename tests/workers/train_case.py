@@ -9,6 +9,7 @@ import sys
 
 import torch
 
+from attnres_dist.parallel.process_groups import shutdown_distributed
 from attnres_dist.train.config import load_config
 from attnres_dist.train.trainer import Trainer
 
@@ -20,6 +21,7 @@ def main() -> None:
     state = trainer.engine.full_state()
     if state is not None:
         torch.save({"losses": summary["train_losses"], "params": state}, out)
+    shutdown_distributed()
 
 
 if __name__ == "__main__":
