@@ -76,3 +76,33 @@ def shutdown_distributed() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def check_groups_agree(dims: ParallelDims, topology, rank: int) -> None:
+    """Megatron's tensor- and data-parallel groups must match DeepSpeed's model and data axes.
+
+    Both libraries derive their groups from the rank order independently; if they ever
+    disagreed, collectives would mix shards or replicas of different stages.
+    """
+    from megatron.core import parallel_state
+
+    stage, dp_rank, tp_rank = dims.coords(rank)
+    for axis, group, expected in (
+        (
+            "model",
+            parallel_state.get_tensor_model_parallel_group(),
+            [dims.rank_of(stage, dp_rank, t) for t in range(dims.tp)],
+        ),
+        (
+            "data",
+            parallel_state.get_data_parallel_group(),
+            [dims.rank_of(stage, d, tp_rank) for d in range(dims.dp)],
+        ),
+    ):
+        megatron = sorted(dist.get_process_group_ranks(group))
+        deepspeed = sorted(next(g for g in topology.get_axis_comm_lists(axis) if rank in g))
+        if not megatron == deepspeed == expected:
+            raise RuntimeError(
+                f"rank {rank}: {axis}-parallel groups disagree: Megatron {megatron}, "
+                f"DeepSpeed {deepspeed}, expected {expected}"
+            )

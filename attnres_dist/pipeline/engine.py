@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from attnres_dist.model.gpt import ModelBuilder
 from attnres_dist.parallel.dims import ParallelDims
+from attnres_dist.parallel.process_groups import check_groups_agree
 from attnres_dist.parallel.tp_shards import gather_full
 from attnres_dist.pipeline.module import AttnResPipelineModule
 from attnres_dist.pipeline.naming import canonical_name
@@ -78,6 +79,7 @@ class PipelineEngine:
         self.cfg, self.dims = cfg, dims
         self.rank = launch.rank
         topology = PipeModelDataParallelTopology(num_pp=dims.pp, num_mp=dims.tp, num_dp=dims.dp)
+        check_groups_agree(dims, topology, launch.rank)
         self.parts = compute_parts(cfg.model, dims.pp, cfg.parallel.partition, builder.vocab_size)
         self.module = AttnResPipelineModule(
             builder, self.parts, topology, cfg.parallel.recompute, cfg.parallel.recompute_interval
