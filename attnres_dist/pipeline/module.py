@@ -10,6 +10,10 @@ sync and sums their gradients.
 Inside a stage, parts pass a ``DepthState``; at the stage's edges this module applies the
 activation contract: it unpacks the received ``[k, s, b, h]`` payload (checked against the
 block plan) before the first local part, and packs the state after the last one.
+
+``payload="tuple"`` sends the same tensors as a tuple instead of one packed tensor. It exists
+only so the benchmark can measure what packing buys (DESIGN.md section 3: DeepSpeed runs one
+backward traversal per tuple element); training always uses the packed default.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from attnres_dist.model.attnres_layer import configure_recompute
 from attnres_dist.model.depth_state import DepthState
 from attnres_dist.model.embedding_head import lm_loss
 from attnres_dist.model.gpt import ModelBuilder
-from attnres_dist.pipeline.contract import pack, unpack
+from attnres_dist.pipeline.contract import PayloadError, pack, unpack
+
+PAYLOADS = ("packed", "tuple")
 
 
 class EmbeddingPipe(torch.nn.Module):
@@ -101,7 +107,11 @@ class AttnResPipelineModule(PipelineModule):
         topology,
         recompute: str = "none",
         recompute_interval: int = 1,
+        payload: str = "packed",
     ):
+        if payload not in PAYLOADS:
+            raise ValueError(f"payload {payload!r}: expected one of {PAYLOADS}")
+        self.payload = payload
         self._fixed_parts = list(parts)
         self.plan = builder.plan
         super().__init__(
@@ -138,11 +148,24 @@ class AttnResPipelineModule(PipelineModule):
         start = self._local_start
         if 1 <= start <= self.plan.num_layers + 1:  # this stage starts with a layer or final
             layers_done = start - 1
-            forward_input = unpack(
-                forward_input,
-                self.plan,
-                layers_done,
-                f"boundary into stage {self.stage_id} (after {layers_done} layers)",
-            )
+            boundary = f"boundary into stage {self.stage_id} (after {layers_done} layers)"
+            if self.payload == "tuple":
+                forward_input = self._unpack_tuple(forward_input, layers_done, boundary)
+            else:
+                forward_input = unpack(forward_input, self.plan, layers_done, boundary)
         out = super().forward(forward_input)
-        return pack(out) if isinstance(out, DepthState) else out
+        if not isinstance(out, DepthState):
+            return out
+        return out.tensors() if self.payload == "tuple" else pack(out)
+
+    def _unpack_tuple(self, received, layers_done: int, boundary: str) -> DepthState:
+        completed, has_partial = self.plan.state_after(2 * layers_done)
+        expected = completed + int(has_partial)
+        if isinstance(received, torch.Tensor):
+            received = (received,)
+        if len(received) != expected:
+            raise PayloadError(
+                f"{boundary}: received a tuple of {len(received)} tensors, but the block plan "
+                f"({self.plan.describe()}) puts {expected} at the cut after {layers_done} layers"
+            )
+        return DepthState.from_tensors(received, completed, has_partial, layers_done)

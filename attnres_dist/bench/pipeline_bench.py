@@ -1,0 +1,231 @@
+"""Pipeline benchmark: wire bytes vs the contract, packed vs tuple payload, Block vs baseline.
+
+One torchrun job (2 ranks, pp = 2, the tiny config by default) builds three pipeline engines
+side by side and runs their training steps interleaved, rotating the order every repetition
+and starting each step after a barrier, so that machine noise hits all three alike:
+
+* ``block_packed``: Block AttnRes, the payload packed into one ``[k, s, b, h]`` tensor;
+* ``block_tuple``:  the same model sending the ``k`` tensors as a tuple (DeepSpeed then runs
+  one backward traversal per element, DESIGN.md section 3);
+* ``baseline``:     the standard residual model (``k = 1``).
+
+A step's time is the slowest rank's. The wire tap (``attnres_dist.profile.wire``) records every
+tensor DeepSpeed's p2p layer sends or receives; per boundary and direction the bytes per
+micro-batch must EQUAL ``boundary_specs``. ``run(out_dir)`` writes ``out_dir/pipeline.json``.
+
+Usage: ``python -m attnres_dist.bench.pipeline_bench --out DIR``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from attnres_dist.bench.launch_job import REPO, torchrun_job
+
+VARIANTS = {
+    "block_packed": ("block", "packed"),
+    "block_tuple": ("block", "tuple"),
+    "baseline": ("baseline", "packed"),
+}
+
+
+def run(
+    out_dir: str | Path,
+    config: str | Path = REPO / "configs" / "tiny.yaml",
+    overrides: tuple[str, ...] = (),
+    reps: int = 10,
+    warmup: int = 2,
+) -> dict:
+    """Launch the benchmark job, write ``out_dir/pipeline.json`` and return its content."""
+    out_path = Path(out_dir)
+    out_path.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw_path = Path(tmp) / "raw.json"
+        args = ["--worker", str(raw_path), "--config", str(config), "--reps", str(reps)]
+        args += ["--warmup", str(warmup), "--run-dir", tmp, *overrides]
+        torchrun_job("attnres_dist.bench.pipeline_bench", args, nproc=2)
+        raw = json.loads(raw_path.read_text())
+    med = {name: v["step_s"]["median"] for name, v in raw["variants"].items()}
+    result = raw | {
+        "ratios": {
+            "step_time_packed_over_tuple": med["block_packed"] / med["block_tuple"],
+            "step_time_block_over_baseline": med["block_packed"] / med["baseline"],
+        },
+        "wire_bytes_equal_prediction": all(
+            row["equal"] for v in raw["variants"].values() for row in v["wire"]
+        ),
+    }
+    (out_path / "pipeline.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def format_table(result: dict) -> str:
+    rows = [
+        "| variant | step ms median | p90 | boundary | direction | predicted B | wire B | "
+        "wire messages | equal |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, v in result["variants"].items():
+        for row in v["wire"]:
+            rows.append(
+                f"| {name} | {v['step_s']['median'] * 1e3:.1f} | {v['step_s']['p90'] * 1e3:.1f} "
+                f"| {row['boundary']} | {row['direction']} | {row['predicted']:,} | "
+                f"{', '.join(f'{b:,}' for b in row['measured'])} | {row['messages']} | "
+                f"{'yes' if row['equal'] else 'NO'} |"
+            )
+    return "\n".join(rows)
+
+
+# -- the job (every rank) ----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _payload(kind: str):
+    """Build the next engine's module with ``payload=kind``.
+
+    ``PipelineEngine`` constructs the module itself and takes no payload option (training has
+    no use for one), so the bench swaps the class it calls for the duration of one build.
+    """
+    import attnres_dist.pipeline.engine as engine_mod
+
+    original = engine_mod.AttnResPipelineModule
+    engine_mod.AttnResPipelineModule = functools.partial(original, payload=kind)
+    try:
+        yield
+    finally:
+        engine_mod.AttnResPipelineModule = original
+
+
+def _quantiles(samples: list[float]) -> dict:
+    ordered = sorted(samples)
+    p90 = ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
+    return {"median": statistics.median(samples), "p90": p90, "samples": samples}
+
+
+def _worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from attnres_dist.pipeline.contract import boundary_specs_for_config
+    from attnres_dist.profile.wire import WireTap
+    from attnres_dist.train.config import load_config
+    from attnres_dist.train.trainer import Trainer
+
+    trainers, specs = {}, {}
+    for name, (mode, payload) in VARIANTS.items():
+        cfg = load_config(
+            args.config,
+            [
+                *args.overrides,
+                f"model.attnres.mode={mode}",
+                "parallel.pp=2",
+                "parallel.dp=1",
+                "parallel.tp=1",
+                "output.tensorboard=false",
+                "train.progress=false",
+                f"output.run_dir={args.run_dir}/{name}",
+            ],
+        )
+        with _payload(payload):
+            trainers[name] = Trainer(cfg)
+        specs[name] = boundary_specs_for_config(cfg, trainers[name].builder.vocab_size)
+    rank = dist.get_rank()
+    names = list(VARIANTS)
+    times = {name: [] for name in names}
+    step_variant = {}
+    counter = 0
+    engines = [t.engine.engine for t in trainers.values()]
+    with WireTap(engines, rank) as tap:
+        for rep in range(args.warmup + args.reps):
+            order = names[rep % len(names) :] + names[: rep % len(names)]
+            for name in order:
+                micro = trainers[name].micro_batches(rep)  # the same data for every variant
+                tap.begin_step(counter)
+                step_variant[counter] = name
+                counter += 1
+                dist.barrier()
+                start = time.perf_counter()
+                trainers[name].engine.train_step(micro)
+                elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if rep >= args.warmup:
+                    times[name].append(float(elapsed))
+    transfers = [t.to_dict() | {"boundary": t.boundary} for t in tap.transfers]
+    gathered = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(transfers, gathered, dst=0)
+    if rank == 0:
+        every = [t for part in gathered for t in part]
+        out = {
+            "variants": {},
+            "config": {
+                "path": str(args.config),
+                "overrides": args.overrides,
+                "reps": args.reps,
+                "warmup": args.warmup,
+                "threads_per_rank": torch.get_num_threads(),
+            },
+        }
+        for name in names:
+            mine = [t for t in every if step_variant[t["step"]] == name]
+            out["variants"][name] = {
+                "model": trainers[name].builder.plan.describe(),
+                "payload": VARIANTS[name][1],
+                "step_s": _quantiles(times[name]),
+                "wire": _wire_rows(specs[name], mine),
+            }
+        Path(args.worker).write_text(json.dumps(out, indent=2))
+    from attnres_dist.parallel.process_groups import shutdown_distributed
+
+    shutdown_distributed()
+
+
+def _wire_rows(specs, transfers: list[dict]) -> list[dict]:
+    rows = []
+    for spec in specs:
+        for direction in ("forward", "backward"):
+            predicted = spec.bytes_forward if direction == "forward" else spec.bytes_backward
+            mine = [t for t in transfers if tuple(t["boundary"]) == (spec.sender, spec.receiver)]
+            mine = [t for t in mine if t["direction"] == direction]
+            measured = sorted({t["nbytes"] for t in mine})
+            rows.append(
+                {
+                    "boundary": f"{spec.sender} -> {spec.receiver}",
+                    "direction": direction,
+                    "k": spec.num_tensors,
+                    "predicted": predicted,
+                    "measured": measured,
+                    "messages": sorted({len(t["shapes"]) for t in mine}),
+                    "transfers": len(mine),
+                    "equal": measured == [predicted],
+                }
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="bench_results")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("overrides", nargs="*", help="dotted config overrides")
+    args = parser.parse_args(argv)
+    if args.worker:
+        _worker(args)
+        return
+    result = run(args.out, args.config, tuple(args.overrides), args.reps, args.warmup)
+    print(format_table(result))
+    print(json.dumps(result["ratios"], indent=2))
+
+
+if __name__ == "__main__":
+    main()

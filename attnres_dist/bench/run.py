@@ -1,0 +1,100 @@
+"""``make bench``: run every benchmark and write ``DIR/summary.md`` with every ratio.
+
+Runs the depth-attention op benchmark (``depth_attention_bench``, in this process) and the
+pipeline benchmark (``pipeline_bench``, a 2-rank torchrun job); each writes its own JSON into
+``DIR``. The summary lists each ratio with what it compares, and the per-boundary bytes
+predicted by the activation contract next to the bytes measured on the wire.
+
+Usage: ``python -m attnres_dist.bench.run --out DIR [--quick]``
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from attnres_dist.bench import depth_attention_bench, pipeline_bench
+
+
+def summary_markdown(depth: dict, pipe: dict) -> str:
+    r, p = depth["ratios"], pipe["ratios"]
+    v = pipe["variants"]
+    ms = {name: x["step_s"]["median"] * 1e3 for name, x in v.items()}
+    dc = depth["config"]
+    lines = [
+        "# Benchmarks",
+        "",
+        "Every timing is a median over interleaved repetitions (alternating order), measured "
+        "side by side in one run; the machine is shared, so ratios matter more than absolute "
+        "times.",
+        "",
+        "| ratio | value | compares |",
+        "|---|---|---|",
+        f"| depth attention time, lean / reference | {r['time_lean_over_reference']:.3f} | "
+        f"forward + backward, n = {dc['n_sources']} sources, {dc['tokens']} tokens x "
+        f"{dc['dim']} (target <= {depth['targets']['time_ratio_max']}) |",
+        f"| depth attention saved bytes, lean / reference | "
+        f"{r['total_saved_bytes_lean_over_reference']:.3f} | all tensors saved for backward |",
+        f"| depth attention extra saved bytes, lean / reference | "
+        f"{r['extra_saved_bytes_lean_over_reference']:.4f} | saved beyond the op's inputs "
+        f"(target <= {depth['targets']['extra_saved_bytes_ratio_max']}) |",
+        f"| pipeline step time, packed / tuple payload | "
+        f"{p['step_time_packed_over_tuple']:.3f} | Block AttnRes at pp = 2: "
+        f"{ms['block_packed']:.1f} ms packed vs {ms['block_tuple']:.1f} ms tuple |",
+        f"| pipeline step time, Block AttnRes / baseline | "
+        f"{p['step_time_block_over_baseline']:.3f} | pp = 2: {ms['block_packed']:.1f} ms vs "
+        f"{ms['baseline']:.1f} ms |",
+        "",
+        "## Bytes per boundary and micro-batch: contract prediction vs DeepSpeed's wire",
+        "",
+        "Wire bytes: every tensor DeepSpeed's p2p layer sends or receives, per micro-batch "
+        "(shape metadata, sent once, excluded). "
+        + (
+            "All equal the prediction."
+            if pipe["wire_bytes_equal_prediction"]
+            else "**Some differ from the prediction.**"
+        ),
+        "",
+        "| variant | model | boundary | direction | k | predicted | wire | wire messages | equal |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, x in v.items():
+        for row in x["wire"]:
+            wire = ", ".join(f"{b:,}" for b in row["measured"]) or "none"
+            lines.append(
+                f"| {name} | {x['model']} | {row['boundary']} | {row['direction']} | {row['k']} "
+                f"| {row['predicted']:,} | {wire} | "
+                f"{', '.join(map(str, row['messages']))} | {'yes' if row['equal'] else 'NO'} |"
+            )
+    cfg = pipe["config"]
+    lines += [
+        "",
+        f"Pipeline bench: `{cfg['path']}` {' '.join(cfg['overrides'])}, {cfg['reps']} "
+        f"repetitions after {cfg['warmup']} warm-up, {cfg['threads_per_rank']} thread(s) per "
+        "rank; step time = the slowest rank's, each step started after a barrier.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer repetitions (a smoke run, not a measurement)"
+    )
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if args.quick:
+        depth = depth_attention_bench.run(out, tokens=1024, dim=128, reps=3, warmup=1)
+        pipe = pipeline_bench.run(out, reps=2, warmup=1)
+    else:
+        depth = depth_attention_bench.run(out)
+        pipe = pipeline_bench.run(out)
+    text = summary_markdown(depth, pipe)
+    (out / "summary.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Smoke run of ``make bench``'s pipeline part: it runs, the wire bytes equal the contract.
+
+One 2-rank job with a tiny model and one repetition: a check that the benchmark works and
+that packed and tuple payloads put exactly the predicted bytes on the wire, not a measurement.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from attnres_dist.bench import depth_attention_bench, pipeline_bench
+from attnres_dist.bench.run import summary_markdown
+
+TINY = (
+    "model.num_layers=4",
+    "model.hidden_size=32",
+    "model.num_attention_heads=4",
+    "model.seq_length=16",
+    "model.attnres.block_size=3",
+    "train.steps=10",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=8",
+    "optim.warmup_steps=1",
+)
+
+
+@pytest.mark.slow
+def test_pipeline_bench_smoke(small_dataset, tmp_path):
+    result = pipeline_bench.run(
+        tmp_path, overrides=(f"data.path={small_dataset}", *TINY), reps=1, warmup=1
+    )
+    assert (tmp_path / "pipeline.json").exists()
+    assert result["wire_bytes_equal_prediction"]
+    for name, variant in result["variants"].items():
+        for row in variant["wire"]:
+            assert row["measured"] == [row["predicted"]], (name, row)
+            # packed: one message per micro-batch; tuple: one per block tensor
+            assert row["messages"] == [row["k"] if variant["payload"] == "tuple" else 1]
+    block = result["variants"]["block_packed"]["wire"][0]
+    assert block["k"] == 3  # after 4 sublayers (S = 3): b_0, block 1 and the partial block 2
+    assert all(r > 0 for r in result["ratios"].values())
+
+    depth = depth_attention_bench.run(tmp_path, n=3, tokens=64, dim=16, reps=1, warmup=0)
+    summary = summary_markdown(depth, result)
+    assert "packed / tuple payload" in summary and "Block AttnRes / baseline" in summary
+    assert "All equal the prediction." in summary
