@@ -8,6 +8,10 @@ parallel layout starts from the single-process reference's parameters.
 
 The pipeline module (``attnres_dist.pipeline``) builds the same parts in the same order:
 ``[embedding, layer_0 .. layer_{n-1}, final aggregation, lm head]``.
+
+The builder applies the run's ``RuntimeChoice`` (``attnres_dist.runtime``): the layer spec
+(local or Transformer Engine), the norm implementation and bf16 autocast are decided there and
+nowhere else. Without a choice it builds the reference path (local spec, torch ops, fp32).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from attnres_dist.model.attnres_layer import AttnResLayer, configure_recompute
 from attnres_dist.model.block_plan import BlockPlan
 from attnres_dist.model.embedding_head import Embedding, FinalAggregation, OutputLayer, lm_loss
 from attnres_dist.model.megatron_config import padded_vocab_size, transformer_config
+from attnres_dist.runtime import RuntimeChoice, kernels
 from attnres_dist.train.config import ModelConfig
 
 
@@ -39,9 +44,16 @@ class ModelBuilder:
     """Builds the model's parts for one config, tensor-parallel size and seed."""
 
     def __init__(
-        self, model: ModelConfig, vocab_size: int, tp: int = 1, seed: int = 0, dtype=torch.float32
+        self,
+        model: ModelConfig,
+        vocab_size: int,
+        tp: int = 1,
+        seed: int = 0,
+        dtype=torch.float32,
+        runtime: RuntimeChoice | None = None,
     ):
         megatron_compat.apply()
+        self.runtime = runtime or RuntimeChoice.reference()
         self.model = model
         self.plan: BlockPlan = model.block_plan()
         self.vocab_size = padded_vocab_size(vocab_size, model.make_vocab_size_divisible_by, tp)
@@ -54,30 +66,36 @@ class ModelBuilder:
 
     def embedding(self) -> Embedding:
         with seeded(self.seed, "embedding"):
-            return Embedding(self.config, self.vocab_size, self.model.seq_length, self.plan)
+            part = Embedding(self.config, self.vocab_size, self.model.seq_length, self.plan)
+        return kernels.autocast_part(part, self.runtime)
 
     def layer(self, index: int) -> AttnResLayer:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.spec_utils import build_module
 
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec = kernels.layer_spec(self.runtime)
         with seeded(self.seed, f"layer.{index}"):
             megatron_layer = build_module(spec, config=self.config, layer_number=index + 1)
-            return AttnResLayer(
+            part = AttnResLayer(
                 megatron_layer,
                 self.plan,
                 index,
                 impl=self.model.attnres.impl,
                 rotary_base=self.model.rotary_base,
             )
+        return kernels.autocast_part(part, self.runtime)
 
     def final(self) -> FinalAggregation:
         with seeded(self.seed, "final"):
-            return FinalAggregation(self.config, self.plan, impl=self.model.attnres.impl)
+            part = FinalAggregation(self.config, self.plan, impl=self.model.attnres.impl)
+        norm = kernels.final_norm(self.runtime, self.config)  # gain init 1: no RNG drawn
+        if norm is not None:
+            part.final_norm = norm
+        return kernels.autocast_part(part, self.runtime)
 
     def output(self) -> OutputLayer:
         with seeded(self.seed, "output"):
-            return OutputLayer(self.config, self.vocab_size)
+            part = OutputLayer(self.config, self.vocab_size)
+        return kernels.autocast_part(part, self.runtime)
 
 
 class AttnResGPT(torch.nn.Module):
@@ -93,6 +111,9 @@ class AttnResGPT(torch.nn.Module):
         if not self.tie_embeddings:
             self.output = builder.output()
         configure_recompute(list(self.layers), recompute, recompute_interval)
+        # DeepSpeed moves the pipeline's parts to the GPU; the single-process model moves itself
+        self.device = torch.device("cuda") if builder.runtime.on_gpu else torch.device("cpu")
+        self.to(self.device)
 
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states ``[s, b, h]`` for input ids ``[b, s]``."""
@@ -110,4 +131,5 @@ class AttnResGPT(torch.nn.Module):
 
     def loss(self, window: torch.Tensor) -> torch.Tensor:
         """Mean next-token loss of a token window batch ``[b, s + 1]``."""
+        window = window.to(self.device)
         return lm_loss(self(window[:, :-1]), window[:, 1:])

@@ -23,6 +23,7 @@ from attnres_dist.parallel.tp_shards import gather_full
 from attnres_dist.pipeline.module import AttnResPipelineModule
 from attnres_dist.pipeline.naming import canonical_name
 from attnres_dist.pipeline.partition import compute_parts
+from attnres_dist.runtime.kernels import adam_class
 from attnres_dist.train.config import Config
 from attnres_dist.train.optim import lr_factor, param_groups
 
@@ -38,8 +39,8 @@ def _model_parallel_group(dims: ParallelDims, rank: int):
     return mine
 
 
-class ClippedAdamW(torch.optim.AdamW):
-    """AdamW whose ``step`` first clips gradients to a global norm (see module docstring)."""
+class GlobalNormClip:
+    """Optimizer mixin: ``step`` first clips gradients to a global norm (module docstring)."""
 
     def __init__(self, groups, *, max_norm: float, norm_params, group, **kwargs):
         super().__init__(groups, **kwargs)
@@ -67,6 +68,17 @@ class ClippedAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
+class ClippedAdamW(GlobalNormClip, torch.optim.AdamW):
+    """torch's AdamW with the global-norm clip."""
+
+
+def clipped_optimizer_class(base: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """The global-norm clip around the optimizer the runtime chose (torch AdamW, apex FusedAdam)."""
+    if base is torch.optim.AdamW:
+        return ClippedAdamW
+    return type(f"Clipped{base.__name__}", (GlobalNormClip, base), {})
+
+
 class PipelineEngine:
     def __init__(self, cfg: Config, builder: ModelBuilder, dims: ParallelDims, launch):
         import deepspeed
@@ -77,6 +89,7 @@ class PipelineEngine:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
         self.cfg, self.dims = cfg, dims
+        self.runtime = builder.runtime
         self.rank = launch.rank
         topology = PipeModelDataParallelTopology(num_pp=dims.pp, num_mp=dims.tp, num_dp=dims.dp)
         check_groups_agree(dims, topology, launch.rank)
@@ -113,7 +126,7 @@ class PipelineEngine:
                 continue  # the first stage's copy counts for both
             if tp_rank == 0 or getattr(p, "tensor_model_parallel", False):
                 norm_params.append(p)
-        return ClippedAdamW(
+        return clipped_optimizer_class(adam_class(self.runtime))(
             param_groups(self.module, o.weight_decay),
             lr=o.lr,
             betas=(o.beta1, o.beta2),

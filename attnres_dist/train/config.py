@@ -99,6 +99,23 @@ class ParallelConfig:
 
 
 @dataclass
+class RuntimeConfig:
+    """Fast paths (attnres_dist.runtime): auto takes each one this machine can run."""
+
+    layer_spec: str = "auto"  # auto | local | te (Megatron-Core's Transformer Engine spec)
+    # str | bool: YAML reads a bare on/off as true/false; __post_init__ turns them back
+    fused_norm: str | bool = "auto"  # auto | on | off (apex FusedRMSNorm)
+    fused_optimizer: str | bool = "auto"  # auto | on | off (apex FusedAdam)
+    dtype: str = "auto"  # auto | fp32 | bf16 (bf16 autocast, fp32 master weights; GPU only)
+
+    def __post_init__(self):
+        for name in ("fused_norm", "fused_optimizer"):
+            value = getattr(self, name)
+            if isinstance(value, bool):
+                setattr(self, name, "on" if value else "off")
+
+
+@dataclass
 class OutputConfig:
     run_dir: str = "runs/default"
     tensorboard: bool = True
@@ -111,6 +128,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def to_dict(self) -> dict:
@@ -361,6 +379,7 @@ def validate(cfg: Config) -> None:
             f"got {p.tp}; must divide model.{name}={value}",
         )
     _validate_partition(p.partition, p.pp, m.num_layers)
+    _validate_runtime(cfg.runtime)
     _require(
         p.recompute in ("none", "attnres", "full"),
         "parallel.recompute",
@@ -372,6 +391,23 @@ def validate(cfg: Config) -> None:
         f"got {p.recompute_interval}; must be >= 1",
     )
     _require(p.timeout_s >= 1, "parallel.timeout_s", f"got {p.timeout_s}; must be >= 1")
+
+
+def _validate_runtime(r: RuntimeConfig) -> None:
+    # Only the words here; whether this machine can run a requested path is decided at
+    # start-up by attnres_dist.runtime.select_runtime (also a ConfigError naming the field).
+    for name, allowed in (
+        ("layer_spec", ("auto", "local", "te")),
+        ("fused_norm", ("auto", "on", "off")),
+        ("fused_optimizer", ("auto", "on", "off")),
+        ("dtype", ("auto", "fp32", "bf16")),
+    ):
+        value = getattr(r, name)
+        _require(
+            value in allowed,
+            f"runtime.{name}",
+            f"got {value!r}; allowed: {', '.join(allowed)}",
+        )
 
 
 def _validate_partition(partition, pp: int, num_layers: int) -> None:

@@ -22,6 +22,7 @@ from attnres_dist.errors import ConfigError
 from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
+from attnres_dist.runtime import select_runtime
 from attnres_dist.train.config import Config
 from attnres_dist.train.metrics import MetricsWriter
 
@@ -51,9 +52,12 @@ class Trainer:
         # all input checks (data, vocabulary, world size) run before any process group starts
         self.train_data, self.valid_data, self.meta = resolve_dataset(cfg)
         vocab = model_vocab_size(cfg, self.meta)
+        self.runtime = select_runtime(cfg.runtime)  # fast paths; refusals are ConfigErrors
         self.launch = init_distributed(self.dims, cfg.parallel.timeout_s, cfg.train.seed)
         torch.manual_seed(cfg.train.seed)
-        self.builder = ModelBuilder(cfg.model, vocab, tp=self.dims.tp, seed=cfg.train.seed)
+        self.builder = ModelBuilder(
+            cfg.model, vocab, tp=self.dims.tp, seed=cfg.train.seed, runtime=self.runtime
+        )
         self.engine = self._build_engine()
         self.is_logger = self.launch.rank == 0
         self.run_dir = Path(cfg.output.run_dir)
@@ -102,6 +106,7 @@ class Trainer:
     def train(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
         self.save_config()
+        self.metrics.message(self.runtime.describe())
         self.metrics.message(
             f"{self.builder.plan.describe()}; {self.dims.describe()}; "
             f"{self.num_parameters():,} parameters; {len(self.train_data):,} train windows"

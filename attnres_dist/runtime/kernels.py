@@ -1,0 +1,97 @@
+"""A RuntimeChoice turned into what the model and the engines build with.
+
+* ``layer_spec``: Megatron-Core's Transformer Engine layer spec or its local one. Both expose
+  ``input_layernorm``, ``self_attention``, ``pre_mlp_layernorm`` and ``mlp``; under TE the two
+  norms are identities because TE fuses each norm into the linear after it, so the AttnRes
+  layer's ``f(x) = Sublayer(Norm(x))`` holds either way. Parameter names differ between the
+  two specs: a checkpoint belongs to the spec it was trained with.
+* ``norm_class``: apex's FusedRMSNorm or torch's RMSNorm, built with Megatron's norm signature
+  (Megatron's own apex norm, FusedLayerNorm, refuses RMSNorm). Both name their gain ``weight``.
+* ``adam_class``: apex FusedAdam in AdamW mode (decoupled weight decay, as torch.optim.AdamW)
+  or torch's AdamW.
+* ``autocast_part``: bf16 forward passes with fp32 parameters (the master weights), per part.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from attnres_dist.model.depth_state import DepthState
+from attnres_dist.runtime.select import RuntimeChoice
+
+
+def layer_spec(choice: RuntimeChoice):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if choice.layer_spec.value == "te":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    if choice.norm.value == "apex":
+        spec.submodules.input_layernorm = ApexRMSNorm
+        spec.submodules.pre_mlp_layernorm = ApexRMSNorm
+    return spec
+
+
+class ApexRMSNorm:
+    """apex FusedRMSNorm behind Megatron's norm constructor ``(config, hidden_size, eps)``."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        from apex.normalization import FusedRMSNorm
+
+        return FusedRMSNorm(hidden_size, eps=eps)
+
+
+def final_norm(choice: RuntimeChoice, config) -> torch.nn.Module | None:
+    """The final norm to use instead of the default torch one, or None to keep it."""
+    if choice.norm.value != "apex":
+        return None
+    return ApexRMSNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
+
+
+def adam_class(choice: RuntimeChoice) -> type[torch.optim.Optimizer]:
+    if choice.optimizer.value == "apex":
+        from apex.optimizers import FusedAdam
+
+        # adam_w_mode defaults to True: the same update as torch.optim.AdamW
+        return FusedAdam
+    return torch.optim.AdamW
+
+
+def autocast_part(module: torch.nn.Module, choice: RuntimeChoice) -> torch.nn.Module:
+    """Run ``module``'s forward (and tied ``logits``) under bf16 autocast, when chosen.
+
+    Outputs are cast to bf16 as well: the embedding lookup is not an autocast op, and depth
+    attention needs all its sources in one dtype, so every tensor a part hands on (DepthState
+    sources, hidden states, logits) is bf16. Parameters stay fp32 and the optimizer updates
+    them in fp32. The methods are replaced on the instance, not wrapped in a new module, so
+    parameter names (and checkpoints) do not change.
+    """
+    dtype = choice.autocast_dtype
+    if dtype is None:
+        return module
+    device_type = choice.device.value
+    for name in ("forward", "logits"):
+        method = getattr(module, name, None)
+        if method is not None:
+            object.__setattr__(module, name, _autocast(method, device_type, dtype))
+    return module
+
+
+def _autocast(method, device_type: str, dtype: torch.dtype):
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        with torch.autocast(device_type, dtype=dtype):
+            return _cast(method(*args, **kwargs), dtype)
+
+    return run
+
+
+def _cast(out, dtype: torch.dtype):
+    if isinstance(out, DepthState):
+        partial = None if out.partial is None else out.partial.to(dtype)
+        return DepthState(tuple(t.to(dtype) for t in out.completed), partial, out.layers_done)
+    if torch.is_tensor(out) and out.is_floating_point():
+        return out.to(dtype)
+    return out

@@ -1,0 +1,122 @@
+"""Choosing the fast paths at start-up, from the config's ``runtime`` section and the probes.
+
+``auto`` takes a fast path when this machine has it: Megatron-Core's Transformer Engine layer
+spec, apex's fused RMSNorm and FusedAdam, bf16 autocast, all only with a CUDA device (their
+kernels are GPU-only); otherwise the local layer spec, torch norms, torch AdamW and fp32. An
+explicit request is honoured or refused: asking for a path this machine cannot run is a
+``ConfigError`` naming the field, before any process group starts, never a silent fallback.
+
+bf16 is GPU-only for a further reason: Megatron's linear layers re-enter autocast in their
+backward for CUDA only, so a CPU-autocast backward fails on a bf16/fp32 matmul.
+
+Every choice carries the reason it was made; ``RuntimeChoice.describe()`` is the one line the
+trainer prints at start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from attnres_dist.errors import ConfigError
+from attnres_dist.runtime import probes
+
+
+@dataclass(frozen=True)
+class Choice:
+    value: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class RuntimeChoice:
+    device: Choice  # cuda | cpu
+    layer_spec: Choice  # te | local
+    norm: Choice  # apex | torch
+    optimizer: Choice  # apex | torch
+    dtype: Choice  # bf16 | fp32
+
+    @classmethod
+    def reference(cls) -> RuntimeChoice:
+        """The plain path (local spec, torch ops, fp32 on CPU) for callers that pass no choice."""
+        why = "reference path"
+        return cls(
+            Choice("cpu", why),
+            Choice("local", why),
+            Choice("torch", why),
+            Choice("torch", why),
+            Choice("fp32", why),
+        )
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.value == "cuda"
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The autocast dtype of forward passes, None for plain fp32."""
+        return torch.bfloat16 if self.dtype.value == "bf16" else None
+
+    def describe(self) -> str:
+        choices = {f.name: getattr(self, f.name) for f in fields(self)}
+        return "runtime: " + "; ".join(f"{k}={c.value} ({c.reason})" for k, c in choices.items())
+
+
+class _Probes:
+    """Each probe run at most once per selection, and only when a decision needs it."""
+
+    def __init__(self):
+        self._seen: dict[str, probes.Probe] = {}
+
+    def get(self, name: str) -> probes.Probe:
+        if name not in self._seen:  # looked up on the module at call time: tests replace them
+            self._seen[name] = getattr(probes, name)()
+        return self._seen[name]
+
+
+def _pick(
+    p: _Probes, field: str, requested: str, fast: str, plain: str, plain_word: str, probe_name: str
+) -> Choice:
+    """One decision. ``auto``: the fast path when CUDA and the probe allow it, else the plain
+    one, with the reason. ``plain_word``: the plain path. Anything else: the fast path or a
+    ConfigError naming the field."""
+    where = f"runtime.{field}"
+    if requested == plain_word:
+        return Choice(plain, "set in config")
+    cuda = p.get("cuda")
+    if not cuda.ok:
+        if requested == "auto":
+            return Choice(plain, "no GPU")  # the device entry of the report says why
+        raise ConfigError(
+            where, f"{requested!r} needs a CUDA device ({cuda.detail}); use auto or {plain_word}"
+        )
+    probe = p.get(probe_name)
+    if not probe.ok:
+        if requested == "auto":
+            return Choice(plain, probe.detail)
+        raise ConfigError(
+            where, f"{requested!r} requested but {probe.detail}; use auto or {plain_word}"
+        )
+    return Choice(fast, probe.detail if requested == "auto" else f"set in config; {probe.detail}")
+
+
+def select_runtime(runtime) -> RuntimeChoice:
+    """Resolve a ``RuntimeConfig`` (``auto`` or explicit values) against this machine."""
+    p = _Probes()
+    cuda = p.get("cuda")
+    device = Choice("cuda" if cuda.ok else "cpu", cuda.detail)
+    layer_spec = _pick(
+        p, "layer_spec", runtime.layer_spec, "te", "local", "local", "transformer_engine"
+    )
+    norm = _pick(p, "fused_norm", runtime.fused_norm, "apex", "torch", "off", "apex_norm")
+    if norm.value == "apex" and layer_spec.value == "te":
+        # the TE spec fuses each layer's norms into its linears; apex normalises the final output
+        norm = Choice("apex", f"{norm.reason}; final norm only, TE fuses the layers' norms")
+    optimizer = _pick(
+        p, "fused_optimizer", runtime.fused_optimizer, "apex", "torch", "off", "apex_adam"
+    )
+    dtype = _pick(p, "dtype", runtime.dtype, "bf16", "fp32", "fp32", "bf16")
+    if dtype.value == "bf16":
+        dtype = Choice("bf16", f"{dtype.reason}; autocast, fp32 master weights")
+    return RuntimeChoice(device, layer_spec, norm, optimizer, dtype)

@@ -1,0 +1,273 @@
+"""Fast-path selection (attnres_dist.runtime): what is chosen, why, and what is refused.
+
+Availability is simulated by replacing the probe functions in ``attnres_dist.runtime.probes``;
+nothing pretends to be Transformer Engine or apex. What runs for real on this CPU machine: the
+config section and its validation, the routing from a choice to Megatron's layer spec and to
+the optimizer class, bf16 autocast of the model's forward (CPU autocast stands in for CUDA's),
+and the refusal of a training run that asks for TE, before any process group starts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnres_dist.errors import ConfigError
+from attnres_dist.runtime import Choice, RuntimeChoice, kernels, probes, select_runtime
+from attnres_dist.train.config import RuntimeConfig, config_from_dict, load_config
+
+OK = {
+    "cuda": probes.Probe(True, "NVIDIA H100 80GB HBM3"),
+    "bf16": probes.Probe(True, "GPU compute capability 9.0"),
+    "transformer_engine": probes.Probe(True, "transformer_engine 2.10.0"),
+    "apex_norm": probes.Probe(True, "apex FusedRMSNorm"),
+    "apex_adam": probes.Probe(True, "apex FusedAdam"),
+}
+MISSING = {
+    "cuda": probes.Probe(False, "no CUDA device visible"),
+    "bf16": probes.Probe(False, "GPU compute capability 7.0 has no bf16 support"),
+    "transformer_engine": probes.Probe(
+        False, "transformer_engine not importable (No module named 'transformer_engine')"
+    ),
+    "apex_norm": probes.Probe(False, "apex FusedRMSNorm not importable (No module named 'apex')"),
+    "apex_adam": probes.Probe(False, "apex FusedAdam not importable (No module named 'apex')"),
+}
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """``machine(cuda=True, transformer_engine=False, ...)``: set what the probes report.
+
+    Returns the list of probes called, so tests can check that nothing was probed needlessly.
+    """
+    called: list[str] = []
+
+    def configure(**available: bool):
+        for name in OK:
+            result = (OK if available.get(name, False) else MISSING)[name]
+
+            def probe(name=name, result=result):
+                called.append(name)
+                return result
+
+            monkeypatch.setattr(probes, name, probe)
+        return called
+
+    return configure
+
+
+def values(choice: RuntimeChoice) -> tuple[str, ...]:
+    return (
+        choice.device.value,
+        choice.layer_spec.value,
+        choice.norm.value,
+        choice.optimizer.value,
+        choice.dtype.value,
+    )
+
+
+# ------------------------------------------------------------------------------------- auto
+
+
+def test_cpu_machine_takes_the_local_spec_and_torch_ops_without_probing_gpu_libraries(machine):
+    called = machine(cuda=False)
+    choice = select_runtime(RuntimeConfig())
+    assert values(choice) == ("cpu", "local", "torch", "torch", "fp32")
+    assert called == ["cuda"]  # no Transformer Engine or apex import attempted without a GPU
+    line = choice.describe()
+    assert "\n" not in line and line.startswith("runtime: ")
+    assert "device=cpu (no CUDA device visible)" in line
+    assert "layer_spec=local (no GPU)" in line and "dtype=fp32 (no GPU)" in line
+
+
+def test_gpu_with_te_and_apex_takes_every_fast_path(machine):
+    machine(cuda=True, bf16=True, transformer_engine=True, apex_norm=True, apex_adam=True)
+    choice = select_runtime(RuntimeConfig())
+    assert values(choice) == ("cuda", "te", "apex", "apex", "bf16")
+    line = choice.describe()
+    assert "device=cuda (NVIDIA H100 80GB HBM3)" in line
+    assert "layer_spec=te (transformer_engine 2.10.0)" in line
+    assert "optimizer=apex (apex FusedAdam)" in line
+    assert "dtype=bf16 (GPU compute capability 9.0; autocast, fp32 master weights)" in line
+    # under the TE spec the layers' norms are TE's; apex is left with the final norm
+    assert "final norm only" in choice.norm.reason
+
+
+def test_gpu_without_te_or_apex_says_which_import_failed(machine):
+    machine(cuda=True, bf16=True)
+    choice = select_runtime(RuntimeConfig())
+    assert values(choice) == ("cuda", "local", "torch", "torch", "bf16")
+    assert "No module named 'transformer_engine'" in choice.layer_spec.reason
+    assert "No module named 'apex'" in choice.norm.reason
+    assert "No module named 'apex'" in choice.optimizer.reason
+
+
+def test_gpu_without_bf16_support_stays_fp32(machine):
+    machine(cuda=True, transformer_engine=True, apex_norm=True, apex_adam=True)
+    choice = select_runtime(RuntimeConfig())
+    assert values(choice) == ("cuda", "te", "apex", "apex", "fp32")
+    assert "compute capability 7.0" in choice.dtype.reason
+
+
+def test_apex_norm_with_local_spec_applies_to_every_norm(machine):
+    machine(cuda=True, bf16=True, apex_norm=True)
+    choice = select_runtime(RuntimeConfig())
+    assert choice.norm.value == "apex" and "final norm only" not in choice.norm.reason
+
+
+# --------------------------------------------------------------------------------- explicit
+
+
+def test_explicit_plain_paths_override_auto_without_probing(machine):
+    called = machine(cuda=True, bf16=True, transformer_engine=True, apex_norm=True, apex_adam=True)
+    requested = RuntimeConfig(
+        layer_spec="local", fused_norm="off", fused_optimizer="off", dtype="fp32"
+    )
+    choice = select_runtime(requested)
+    assert values(choice) == ("cuda", "local", "torch", "torch", "fp32")
+    assert all(c.reason == "set in config" for c in values_choices(choice)[1:])
+    assert called == ["cuda"]
+
+
+def values_choices(choice: RuntimeChoice) -> list[Choice]:
+    return [choice.device, choice.layer_spec, choice.norm, choice.optimizer, choice.dtype]
+
+
+def test_explicit_fast_paths_are_taken_when_available(machine):
+    machine(cuda=True, bf16=True, transformer_engine=True, apex_norm=True, apex_adam=True)
+    requested = RuntimeConfig(layer_spec="te", fused_norm="on", fused_optimizer="on", dtype="bf16")
+    choice = select_runtime(requested)
+    assert values(choice) == ("cuda", "te", "apex", "apex", "bf16")
+    assert choice.layer_spec.reason == "set in config; transformer_engine 2.10.0"
+
+
+@pytest.mark.parametrize(
+    "field, value, available, expected",
+    [
+        ("layer_spec", "te", {"cuda": True}, "No module named 'transformer_engine'"),
+        ("fused_norm", "on", {"cuda": True}, "apex FusedRMSNorm not importable"),
+        ("fused_optimizer", "on", {"cuda": True}, "apex FusedAdam not importable"),
+        ("dtype", "bf16", {"cuda": True}, "has no bf16 support"),
+        ("layer_spec", "te", {}, "needs a CUDA device (no CUDA device visible)"),
+        ("dtype", "bf16", {}, "needs a CUDA device"),
+    ],
+)
+def test_requesting_a_missing_fast_path_is_a_one_line_config_error(
+    machine, field, value, available, expected
+):
+    machine(**available)
+    with pytest.raises(ConfigError) as info:
+        select_runtime(RuntimeConfig(**{field: value}))
+    message = str(info.value)
+    assert info.value.where == f"runtime.{field}"
+    assert message.startswith(f"runtime.{field}: {value!r} ")
+    assert expected in message and "use auto or" in message
+    assert "\n" not in message
+
+
+# ----------------------------------------------------------------------------------- config
+
+
+def test_runtime_section_defaults_to_auto_and_reads_yaml_on_off():
+    cfg = load_config("configs/tiny.yaml")
+    assert cfg.runtime == RuntimeConfig("auto", "auto", "auto", "auto")
+    # YAML 1.1 reads a bare on/off as a boolean; the section turns it back into the word
+    cfg = load_config("configs/tiny.yaml", ["runtime.fused_norm=on", "runtime.fused_optimizer=off"])
+    assert (cfg.runtime.fused_norm, cfg.runtime.fused_optimizer) == ("on", "off")
+    assert config_from_dict(cfg.to_dict()).runtime == cfg.runtime
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("runtime.layer_spec=transformer_engine", "runtime.layer_spec"),
+        ("runtime.fused_norm=maybe", "runtime.fused_norm"),
+        ("runtime.fused_optimizer=apex", "runtime.fused_optimizer"),
+        ("runtime.dtype=fp16", "runtime.dtype"),
+        ("runtime.precision=bf16", "runtime.precision"),
+    ],
+)
+def test_bad_runtime_words_name_the_field(override, field):
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/tiny.yaml", [override])
+    assert info.value.where == field
+
+
+def test_trainer_asking_for_te_here_stops_before_any_process_group(small_dataset, tmp_path):
+    import torch.distributed as dist
+
+    from attnres_dist.train.trainer import Trainer
+
+    cfg = load_config(
+        "configs/tiny.yaml",
+        [
+            f"data.path={small_dataset}",
+            "parallel.pp=1",
+            "runtime.layer_spec=te",
+            f"output.run_dir={tmp_path / 'run'}",
+        ],
+    )
+    was_initialized = dist.is_initialized()
+    with pytest.raises(ConfigError) as info:
+        Trainer(cfg)
+    assert info.value.where == "runtime.layer_spec"
+    assert dist.is_initialized() == was_initialized
+
+
+# ------------------------------------------------------------------------------ application
+
+
+def test_choices_route_to_megatron_specs_and_optimizers(monkeypatch):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from attnres_dist.pipeline.engine import ClippedAdamW, GlobalNormClip, clipped_optimizer_class
+
+    reference = RuntimeChoice.reference()
+    spec = kernels.layer_spec(reference)
+    assert spec.submodules.input_layernorm.__name__ == "WrappedTorchNorm"
+    assert kernels.final_norm(reference, None) is None
+    assert kernels.adam_class(reference) is torch.optim.AdamW
+    assert clipped_optimizer_class(torch.optim.AdamW) is ClippedAdamW
+
+    apex = RuntimeChoice(*[Choice(v, "test") for v in ("cuda", "local", "apex", "apex", "fp32")])
+    spec = kernels.layer_spec(apex)
+    assert spec.submodules.input_layernorm is kernels.ApexRMSNorm
+    assert spec.submodules.pre_mlp_layernorm is kernels.ApexRMSNorm
+    # the clip composes with any torch optimizer class (apex FusedAdam on GPU machines)
+    clipped = clipped_optimizer_class(torch.optim.SGD)
+    assert issubclass(clipped, GlobalNormClip) and issubclass(clipped, torch.optim.SGD)
+
+    te = RuntimeChoice(*[Choice(v, "test") for v in ("cuda", "te", "torch", "torch", "fp32")])
+    sentinel = object()
+    monkeypatch.setattr(
+        gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec", lambda: sentinel
+    )
+    assert kernels.layer_spec(te) is sentinel
+
+
+def test_bf16_autocast_keeps_fp32_parameters_and_names_and_tracks_fp32_loss():
+    from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
+    from attnres_dist.parallel.dims import ParallelDims
+    from attnres_dist.parallel.process_groups import init_distributed
+    from attnres_dist.train.config import ModelConfig
+
+    init_distributed(ParallelDims(), seed=0)  # Megatron's layers need its (1-rank) groups
+
+    model_cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+    # CPU autocast stands in for CUDA's: the selection never picks bf16 on CPU, the wrapping is
+    # the same code either way.
+    bf16 = RuntimeChoice(*[Choice(v, "test") for v in ("cpu", "local", "torch", "torch", "bf16")])
+    ref = AttnResGPT(ModelBuilder(model_cfg, 256, seed=3))
+    mixed = AttnResGPT(ModelBuilder(model_cfg, 256, seed=3, runtime=bf16))
+    names = [n for n, _ in mixed.named_parameters()]
+    assert names == [n for n, _ in ref.named_parameters()]
+    assert all(p.dtype == torch.float32 for p in mixed.parameters())
+
+    window = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        state = mixed.embedding(window[:, :-1])
+        assert all(t.dtype == torch.bfloat16 for t in state.sources())
+        assert mixed(window[:, :-1]).dtype == torch.bfloat16
+        loss_ref, loss_mixed = ref.loss(window).item(), mixed.loss(window).item()
+    assert abs(loss_ref - loss_mixed) < 0.05, (loss_ref, loss_mixed)
+    assert loss_ref != loss_mixed  # it really ran in bf16
