@@ -33,9 +33,32 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check attnres_dist tests
 	$(VENV)/bin/ruff format --check attnres_dist tests
+	$(VENV)/bin/hadolint docker/Dockerfile
 
 bench: setup
 	$(PY) -m attnres_dist.bench.run --out bench_results
 
 clean:
 	rm -rf runs bench_results .cache
+
+# The GPU image (docker/Dockerfile, docs/docker.md). No Docker engine is needed to lint it:
+# `make lint` and the test suite run hadolint on the Dockerfile.
+.PHONY: docker-build docker-run
+IMAGE       ?= attnres-dist:latest
+DOCKER      ?= docker
+DOCKER_GPUS ?= --gpus all
+# What the container runs: attnres-dist arguments, or `launch torchrun|deepspeed|mpirun ...`.
+DOCKER_ARGS ?= launch torchrun --config $(CONFIG)
+
+docker-build:
+	$(DOCKER) build -f docker/Dockerfile -t $(IMAGE) .
+
+# runs/ and .cache/ (datasets) live on the host and are written as the calling user; NCCL and
+# DeepSpeed want the host's IPC namespace and unlimited locked memory.
+docker-run:
+	mkdir -p runs .cache
+	$(DOCKER) run --rm $(DOCKER_GPUS) --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 \
+		--user $$(id -u):$$(id -g) -e HOME=/tmp -e NPROC=$(NPROC) \
+		-v $(CURDIR)/runs:/workspace/attnres_dist/runs \
+		-v $(CURDIR)/.cache:/workspace/attnres_dist/.cache \
+		$(IMAGE) $(DOCKER_ARGS)

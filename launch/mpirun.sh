@@ -14,6 +14,8 @@
 #                   else the address rank 0 uses to reach the other hosts)
 #   MASTER_PORT     port rank 0 listens on (default: a free one)
 #   MPIRUN          the mpirun to use (default: the one next to the interpreter, else PATH)
+#   MPIRUN_ARGS     extra hydra options, split on spaces, e.g. "-iface ib0" or
+#                   "-launcher-exec /path/to/ssh-like-tool -localhost 10.0.0.1"
 #   OMP_NUM_THREADS threads per rank (default 1), passed to every rank with -genv
 #   PYTHON          interpreter (default: the repository's .venv, else python3)
 # --dry-run prints the command instead of running it.
@@ -80,9 +82,13 @@ fi
 NPROC=${NPROC:-2}
 check_int NPROC "$NPROC" 1
 
+# Options for hydra itself (network interface, how to reach the other hosts), word-split so
+# several can be given in one variable.
+read -r -a EXTRA <<<"${MPIRUN_ARGS:-}"
+
 NO_ENV=()
-CMD=("$MPIRUN_BIN" "${HOSTS[@]}" -np "$NPROC" "${GENV[@]}" "$PY" -m "$TRAIN_MODULE" train
-    "${TRAIN_ARGS[@]}")
+CMD=("$MPIRUN_BIN" "${EXTRA[@]}" "${HOSTS[@]}" -np "$NPROC" "${GENV[@]}" "$PY" -m "$TRAIN_MODULE"
+    train "${TRAIN_ARGS[@]}")
 if ((DRY_RUN)); then
     if ((${#HOSTS[@]})); then
         echo "# mpirun: $NPROC ranks on ${#HOST_NAMES[@]} hosts, run once from any one of them"

@@ -8,7 +8,8 @@
 # Several machines: run the same line on every node with its own NODE_RANK:
 #   NNODES          number of nodes, or MIN:MAX for an elastic job
 #   NODE_RANK       this node's index, 0..NNODES-1; node 0 must be the host named in
-#                   RDZV_ENDPOINT (it hosts the c10d rendezvous store)
+#                   RDZV_ENDPOINT (it hosts the c10d rendezvous store). Under srun it
+#                   defaults to SLURM_NODEID (launch/slurm.sbatch relies on this)
 #   RDZV_ENDPOINT   host:port of the rendezvous (c10d backend)
 #   RDZV_ID         job id shared by all nodes (default attnres)
 #   LOCAL_ADDR      this node's address as the others reach it (when its host name does not
@@ -85,6 +86,8 @@ if ((DRY_RUN)); then
     exit 0
 fi
 
+# srun starts the same command on every node; Slurm's node index tells them apart.
+NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-}}
 [[ -n ${NODE_RANK:-} ]] || die "NNODES=$NNODES: set NODE_RANK (0..$((MAX_NODES - 1))) on each node"
 check_int NODE_RANK "$NODE_RANK" 0 "$MAX_NODES"
 node_cmd "$NODE_RANK"
