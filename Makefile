@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
 NPROC  ?= 2
 
-.PHONY: setup train train-single test lint bench clean
+.PHONY: setup train train-single test lint bench clean study
 
 setup: $(STAMP)
 
@@ -37,6 +37,11 @@ lint: setup
 
 bench: setup
 	$(PY) -m attnres_dist.bench.run --out bench_results
+
+# baseline vs Block vs Full AttnRes, 3 seeds each, into docs/results.md (about an hour on 2
+# cores; finished runs in runs/study are kept, so an interrupted study resumes)
+study: setup
+	$(PY) -m attnres_dist.diagnostics.study $(ARGS)
 
 clean:
 	rm -rf runs bench_results .cache

@@ -2,6 +2,7 @@
 
     attnres-dist train --config configs/tiny.yaml model.num_layers=12 parallel.pp=2
     attnres-dist prepare-data docs/*.txt --output data/mycorpus
+    attnres-dist report runs/a runs/b --out runs/report   (plots + markdown summary)
     attnres-dist profile --config configs/tiny.yaml --steps 5   (under torchrun, like train)
 
 Every subcommand validates its input before any process group starts; a ``UserError`` prints
@@ -79,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     from attnres_dist.data import prepare_cmd
 
     prepare_cmd.add_parser(sub)
+    from attnres_dist.diagnostics import report
+
+    report.add_parser(sub)
     from attnres_dist.profile import runner as profile_runner
 
     profile_runner.add_parser(sub)

@@ -47,6 +47,10 @@ class DepthMixer(torch.nn.Module):
 class AttnResLayer(torch.nn.Module):
     """Transformer layer ``layer_index`` (0-based, global) acting on a DepthState."""
 
+    # Measurement hook (attnres_dist.diagnostics): set on a measured micro-batch only, so an
+    # unmeasured pass pays one attribute check per sublayer and the graph is never touched.
+    probe = None
+
     def __init__(
         self,
         megatron_layer,
@@ -95,6 +99,8 @@ class AttnResLayer(torch.nn.Module):
             else:
                 normed = norm(mixer(sources))
         out = F.dropout(fn(normed, ctx), p=self.hidden_dropout, training=self.training)
+        if self.probe is not None:
+            self.probe.sublayer(self, sublayer, state, out)
         if self.plan.mode == "baseline":
             return DepthState((), x + out, state.layers_done)
         partial = out if state.partial is None else state.partial + out

@@ -74,6 +74,8 @@ class Embedding(torch.nn.Module):
 
 
 class FinalAggregation(torch.nn.Module):
+    probe = None  # measurement hook, as AttnResLayer.probe
+
     def __init__(self, config, plan: BlockPlan, impl: str = "lean"):
         super().__init__()
         self.plan = plan
@@ -91,6 +93,8 @@ class FinalAggregation(torch.nn.Module):
             hidden = state.partial
         else:
             hidden = self.mixer(state.sources())
+        if self.probe is not None:
+            self.probe.final(self, state, hidden)
         return self.final_norm(hidden)
 
 

@@ -48,9 +48,13 @@ class GlobalNormClip:
         self.norm_params = norm_params
         self.norm_group = group
         self.last_grad_norm: float | None = None
+        # set by attnres_dist.diagnostics on measured steps: sees the final, unclipped grads
+        self.grad_probe = None
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self.grad_probe is not None:
+            self.grad_probe()
         if self.max_norm > 0:
             grads = [p.grad for p in self.norm_params if p.grad is not None]
             sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")

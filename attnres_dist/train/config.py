@@ -122,6 +122,11 @@ class OutputConfig:
 
 
 @dataclass
+class MetricsConfig:
+    every_k: int = 0  # instrument one micro-batch every k steps (diagnostics.jsonl); 0 = off
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -130,6 +135,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -391,6 +397,8 @@ def validate(cfg: Config) -> None:
         f"got {p.recompute_interval}; must be >= 1",
     )
     _require(p.timeout_s >= 1, "parallel.timeout_s", f"got {p.timeout_s}; must be >= 1")
+    k = cfg.metrics.every_k
+    _require(k >= 0, "metrics.every_k", f"got {k}; must be >= 0 (0 = off, k = every k-th step)")
 
 
 def _validate_runtime(r: RuntimeConfig) -> None:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from attnres_dist import data as data_lib
+from attnres_dist.diagnostics.collector import Diagnostics
 from attnres_dist.errors import ConfigError
 from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
 from attnres_dist.parallel.dims import ParallelDims
@@ -68,6 +69,7 @@ class Trainer:
             progress=cfg.train.progress,
             enabled=self.is_logger,
         )
+        self.diagnostics = Diagnostics.for_run(cfg, self.engine, self.dims, self.launch.rank)
 
     def _build_engine(self):
         cfg = self.cfg
@@ -117,7 +119,8 @@ class Trainer:
         losses = []
         valid_loss = None
         for step in range(t.steps):
-            loss = self.engine.train_step(self.micro_batches(step))
+            with self.diagnostics.step(step + 1):  # measures one micro-batch every k steps
+                loss = self.engine.train_step(self.micro_batches(step))
             losses.append(loss)
             window_tokens += tokens_per_step
             if not math.isfinite(loss):
@@ -143,6 +146,7 @@ class Trainer:
         }
         if self.is_logger:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.diagnostics.close()
         self.metrics.close()
         return summary
 

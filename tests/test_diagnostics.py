@@ -1,0 +1,316 @@
+"""Instrumentation values against answers known in advance, under a pipeline too; the report.
+
+* zero queries: every depth-attention mix is uniform (mean weight 1/n, largest 1/n, entropy
+  log n) for every sublayer and the final aggregation;
+* activation RMS and weights equal the ones recomputed from the definitions, for the first
+  micro-batch of the step only;
+* gradient norms per sublayer, layer and block equal torch's norms of the accumulated, unclipped
+  gradients;
+* a real 2-stage pipeline run gathers every layer, with the single-process run's values;
+* ``attnres-dist report`` writes its figures and summary; the study's reading judges noise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from attnres_dist.diagnostics.collector import Diagnostics
+from attnres_dist.diagnostics.grads import sublayer_of
+from attnres_dist.diagnostics.reading import reading
+from attnres_dist.errors import ConfigError
+from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
+from attnres_dist.model.sequence_context import sequence_context
+from attnres_dist.ops import depth_attention_reference
+from attnres_dist.parallel.dims import ParallelDims
+from attnres_dist.parallel.process_groups import init_distributed
+from attnres_dist.train.config import OptimConfig, load_config
+from attnres_dist.train.local_engine import LocalEngine
+from attnres_dist.train.trainer import Trainer
+from tests.conftest import run_job
+
+VOCAB = 257
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    init_distributed(ParallelDims(), seed=0)
+
+
+def build(mode="block", block_size=3, num_layers=3, seed=0):
+    cfg = load_config(
+        None,
+        [
+            f"model.num_layers={num_layers}",
+            "model.hidden_size=32",
+            "model.num_attention_heads=4",
+            "model.seq_length=12",
+            f"model.attnres.mode={mode}",
+            f"model.attnres.block_size={block_size}",
+        ],
+    )
+    return AttnResGPT(ModelBuilder(cfg.model, VOCAB, seed=seed))
+
+
+def windows(count=2, batch=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (batch, 13), generator=g) for _ in range(count)]
+
+
+def measured_step(model, tmp_path, micro_batches, grad_clip=1.0) -> dict:
+    """One optimizer step with every_k=1; the diagnostics record it wrote."""
+    engine = LocalEngine(model, OptimConfig(lr=1e-2, warmup_steps=0, grad_clip=grad_clip), 10)
+    diagnostics = Diagnostics(1, engine, model.plan, run_dir=tmp_path)
+    with diagnostics.step(1):
+        engine.train_step(micro_batches)
+    diagnostics.close()
+    lines = [json.loads(x) for x in (tmp_path / "diagnostics.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in lines] == ["measure", "timing"]
+    assert all(layer.probe is None for layer in model.layers) and model.final.probe is None
+    return lines[0]
+
+
+def twin(model, mode, block_size=3):
+    """A separate model with the same weights (Megatron modules cannot be deep-copied)."""
+    other = build(mode, block_size)
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def randomize_mixers(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "mixer" in name:
+                scale, shift = (0.5, 0.0) if "query" in name else (0.2, 1.0)
+                p.copy_(torch.randn(p.shape, generator=g) * scale + shift)
+
+
+@pytest.mark.parametrize("mode, block_size", [("block", 3), ("full", 1)])
+def test_zero_queries_give_uniform_weights(tmp_path, mode, block_size):
+    model = build(mode, block_size)
+    plan = model.plan
+    record = measured_step(model, tmp_path, windows(1))
+    assert [s["sublayer"] for s in record["sublayers"]] == list(range(1, plan.num_sublayers + 1))
+    summaries = [(s["weights"], plan.num_sources(s["sublayer"])) for s in record["sublayers"]]
+    summaries.append((record["final"]["weights"], plan.final_num_sources))
+    for weights, n in summaries:
+        assert weights["num_sources"] == n
+        assert weights["mean"] == pytest.approx([1 / n] * n, abs=1e-6)
+        assert weights["max"] == pytest.approx(1 / n, abs=1e-6)
+        assert weights["entropy"] == pytest.approx(math.log(n), abs=1e-5)
+
+
+def naive_trace(model, toks):
+    """Per sublayer: its input x, output v, the running state after it, and its weights."""
+    plan = model.plan
+    v = [model.embedding(toks).sources()[0]]
+    h = v[0]
+    trace = []
+    for layer in model.layers:
+        m = layer.layer
+        ctx = sequence_context(m.config, v[0], layer.rotary_base)
+        for attention in (True, False):
+            i = len(v)
+            if plan.mode == "baseline":
+                x, w = h, None
+            else:
+                size = plan.effective_block_size
+                done = (i - 1) // size
+                blocks = [v[0]] + [sum(v[1 + n * size : 1 + (n + 1) * size]) for n in range(done)]
+                partial = v[1 + done * size : i]
+                sources = blocks + ([sum(partial)] if partial else [])
+                mixer = layer.attn_mixer if attention else layer.mlp_mixer
+                x, w = depth_attention_reference(
+                    mixer.query, sources, mixer.key_norm_weight, return_weights=True
+                )
+            if attention:
+                out, _ = m.self_attention(
+                    m.input_layernorm(x),
+                    attention_mask=ctx.attention_mask,
+                    rotary_pos_emb=ctx.rotary_pos_emb,
+                )
+            else:
+                out, _ = m.mlp(m.pre_mlp_layernorm(x))
+            v.append(out)
+            h = h + out
+            state = h if plan.mode == "baseline" else sum(v[1 + done * size : i + 1])
+            trace.append({"x": x, "out": out, "state": state, "w": w})
+    return trace
+
+
+def rms(t):
+    return t.detach().pow(2).mean().sqrt().item()
+
+
+@pytest.mark.parametrize("mode", ["block", "baseline"])
+def test_rms_and_weights_equal_direct_computation(tmp_path, mode):
+    model = build(mode, 3)
+    randomize_mixers(model)
+    micro = windows(2)
+    with torch.no_grad():
+        expected = naive_trace(twin(model, mode), micro[0][:, :-1])  # first micro-batch
+    record = measured_step(model, tmp_path, micro)
+    for got, want in zip(record["sublayers"], expected, strict=True):
+        assert got["in_rms"] == pytest.approx(rms(want["x"]), rel=1e-5)
+        assert got["out_rms"] == pytest.approx(rms(want["out"]), rel=1e-5)
+        assert got["state_rms"] == pytest.approx(rms(want["state"]), rel=1e-5)
+        if mode == "baseline":
+            assert "weights" not in got
+            continue
+        w = want["w"].reshape(want["w"].shape[0], -1)
+        entropy = -(w * w.log()).sum(0).mean().item()
+        assert got["weights"]["mean"] == pytest.approx(w.mean(1).tolist(), abs=1e-6)
+        assert got["weights"]["max"] == pytest.approx(w.max(0).values.mean().item(), abs=1e-6)
+        assert got["weights"]["entropy"] == pytest.approx(entropy, abs=1e-5)
+
+
+def test_gradient_norms_equal_torch_norms_before_clipping(tmp_path):
+    model = build("block", 3)
+    randomize_mixers(model)
+    micro = windows(2)
+    reference = twin(model, "block")
+    for window in micro:
+        (reference.loss(window) / len(micro)).backward()
+    # clipping to 1e-3 scales the gradients; the record must hold the unclipped ones
+    got = measured_step(model, tmp_path, micro, grad_clip=1e-3)["grad_norm"]
+    plan = model.plan
+    groups = {("sublayers", i): [] for i in range(plan.num_sublayers)}
+    for index, layer in enumerate(reference.layers):
+        for name, p in layer.named_parameters():
+            if p.grad is None:
+                continue
+            groups[("sublayers", sublayer_of(index, name) - 1)].append(p.grad)
+            groups.setdefault(("layers", index), []).append(p.grad)
+            block = (sublayer_of(index, name) - 1) // plan.effective_block_size
+            groups.setdefault(("blocks", block), []).append(p.grad)
+            groups.setdefault(("layers_total", None), []).append(p.grad)
+    assert len(got["blocks"]) == plan.num_blocks
+    for (key, index), grads in groups.items():
+        want = torch.nn.utils.get_total_norm(grads).item()
+        value = got[key] if index is None else got[key][index]
+        assert value == pytest.approx(want, rel=1e-6), (key, index)
+
+
+def test_off_by_default_and_validated(tmp_path):
+    assert load_config(None, []).metrics.every_k == 0
+    with pytest.raises(ConfigError, match="metrics.every_k"):
+        load_config(None, ["metrics.every_k=-1"])
+    model = build()
+    engine = LocalEngine(model, OptimConfig(warmup_steps=0), 10)
+    diagnostics = Diagnostics(0, engine, model.plan, run_dir=tmp_path)
+    with diagnostics.step(1):
+        assert model.layers[0].probe is None
+        engine.train_step(windows(1))
+    diagnostics.close()
+    assert not (tmp_path / "diagnostics.jsonl").exists()
+
+
+# -- real runs: a 2-stage pipeline against one process, then the report ------------------------
+
+RUN = [
+    "model.num_layers=4",
+    "model.hidden_size=32",
+    "model.num_attention_heads=4",
+    "model.seq_length=16",
+    "model.attnres.mode=block",
+    "model.attnres.block_size=3",  # the stage boundary (after layer 1) cuts block 2
+    "train.steps=2",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=4",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.log_every=1",
+    "train.progress=false",
+    "optim.warmup_steps=1",
+    "metrics.every_k=1",
+    "output.tensorboard=false",
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, small_dataset):
+    root = tmp_path_factory.mktemp("diag_runs")
+    dirs = {}
+    with pytest.MonkeyPatch.context() as env:
+        # this module's own process group exported its rendezvous; the jobs start their own
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.delenv(var, raising=False)
+        _train_runs(root, small_dataset, dirs)
+    return dirs
+
+
+def _train_runs(root, small_dataset, dirs):
+    for pp in (1, 2):
+        dirs[pp] = root / f"pp{pp}"
+        args = [
+            *RUN,
+            f"data.path={small_dataset}",
+            f"parallel.pp={pp}",
+            f"output.run_dir={dirs[pp]}",
+        ]
+        if pp == 1:  # in this process (its process group is a world of one): no start-up cost
+            Trainer(load_config(None, args)).train()
+        else:
+            run_job(["-m", "attnres_dist.cli", "train", *args], nproc=pp)
+
+
+def measures(run_dir):
+    lines = (run_dir / "diagnostics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == "measure"]
+
+
+@pytest.mark.slow
+def test_pipeline_gathers_every_layer_with_single_process_values(runs):
+    single, piped = measures(runs[1]), measures(runs[2])
+    assert [r["step"] for r in piped] == [1, 2]
+    for got, want in zip(piped, single, strict=True):
+        assert [s["sublayer"] for s in got["sublayers"]] == list(range(1, 9))
+        assert got["final"] is not None
+        grads = got["grad_norm"]
+        assert len(grads["layers"]) == 4 and len(grads["blocks"]) == 3
+        assert all(v is not None for key in ("sublayers", "layers", "blocks") for v in grads[key])
+        for a, b in zip(got["sublayers"], want["sublayers"], strict=True):
+            for key in ("in_rms", "out_rms", "state_rms"):
+                assert a[key] == pytest.approx(b[key], rel=1e-4)
+            assert a["weights"]["mean"] == pytest.approx(b["weights"]["mean"], abs=1e-5)
+        assert grads["layers"] == pytest.approx(want["grad_norm"]["layers"], rel=1e-4)
+        assert grads["blocks"] == pytest.approx(want["grad_norm"]["blocks"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_report_writes_figures_and_summary(runs, tmp_path):
+    from attnres_dist.cli import main
+
+    out = tmp_path / "report"
+    assert main(["report", str(runs[1]), str(runs[2]), "--out", str(out)]) == 0
+    names = {p.name for p in out.glob("*.png")}
+    assert {"losses.png", "magnitudes.png", "gradients.png", "routing.png"} <= names
+    assert sum(n.startswith("depth_attention_") for n in names) == 2  # one per variant
+    text = (out / "report.md").read_text()
+    assert "## Depth statistics" in text and "![losses](losses.png)" in text
+    assert "block S=3 (pp1)" in text and "block S=3 (pp2)" in text  # configs differ in pp
+    assert main(["report", str(tmp_path / "missing")]) == 2
+
+
+def test_reading_tells_a_difference_from_seed_noise():
+    def stats(label, mode, losses):
+        mean = sum(losses) / len(losses)
+        std = math.sqrt(sum((x - mean) ** 2 for x in losses) / (len(losses) - 1))
+        return {"label": label, "mode": mode, "seeds": 3, "valid_mean": mean, "valid_std": std}
+
+    base = stats("baseline", "baseline", [2.00, 2.01, 1.99])
+    text = "\n".join(
+        reading(
+            [
+                base,
+                stats("block S=3", "block", [1.90, 1.91, 1.89]),
+                stats("full", "full", [2.00, 2.02, 1.99]),
+            ]
+        )
+    )
+    assert "**block S=3**" in text and "**better** than the baseline" in text
+    assert "- **full**" in text and "within seed noise" in text
