@@ -6,8 +6,10 @@
     attnres-dist profile --config configs/tiny.yaml --steps 5   (under torchrun, like train)
 
 Every subcommand validates its input before any process group starts; a ``UserError`` prints
-one line (``error: <field>: <problem and fix>``) and exits with code 2. ``--local_rank`` (passed
-by the ``deepspeed`` launcher) is accepted everywhere and ignored in favour of ``LOCAL_RANK``.
+one line (``error: <field>: <problem and fix>``) and exits with code 2; a run stopped by a
+guard (non-finite loss, a stalled pipeline neighbour) prints one line the same way and exits
+with 3. ``--local_rank`` (passed by the ``deepspeed`` launcher) is accepted everywhere and
+ignored in favour of ``LOCAL_RANK``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 import warnings
 
 from attnres_dist.errors import UserError
+from attnres_dist.train.guards import TrainingHalted
 
 
 def _add_run_args(parser: argparse.ArgumentParser) -> None:
@@ -34,8 +37,15 @@ def _train(args) -> int:
 
     try:
         summary = Trainer(cfg).train()
-    finally:
-        shutdown_distributed()
+    except BaseException:
+        # No barrier after a failure: the peers it would wait for may be dead or stuck, and the
+        # error must reach the user now. A world of one has no peers and is torn down as usual.
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            shutdown_distributed()
+        raise
+    shutdown_distributed()
     if int(os.environ.get("RANK", "0")) == 0:
         print(
             f"final validation loss {summary['final_valid_loss']:.4f} "
@@ -121,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except UserError as exc:
+    except (UserError, TrainingHalted) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
 

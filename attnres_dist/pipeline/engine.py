@@ -20,6 +20,7 @@ from attnres_dist.model.gpt import ModelBuilder
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import check_groups_agree
 from attnres_dist.parallel.tp_shards import gather_full
+from attnres_dist.pipeline import watchdog
 from attnres_dist.pipeline.module import AttnResPipelineModule
 from attnres_dist.pipeline.naming import canonical_name
 from attnres_dist.pipeline.partition import compute_parts
@@ -102,7 +103,7 @@ class PipelineEngine:
             builder, self.parts, topology, cfg.parallel.recompute, cfg.parallel.recompute_interval
         )
         self.optimizer = self._build_optimizer()
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, cfg.optim, cfg.train.steps)
         )
         t = cfg.train
@@ -117,8 +118,12 @@ class PipelineEngine:
             "pipeline": {"use_reentrant": False},
         }
         self.engine, _, _, _ = deepspeed.initialize(
-            model=self.module, optimizer=self.optimizer, lr_scheduler=scheduler, config=ds_config
+            model=self.module,
+            optimizer=self.optimizer,
+            lr_scheduler=self.scheduler,
+            config=ds_config,
         )
+        watchdog.install(self.engine, self.parts, cfg.model.num_layers, cfg.parallel.timeout_s)
 
     def _build_optimizer(self) -> ClippedAdamW:
         o = self.cfg.optim
@@ -164,6 +169,22 @@ class PipelineEngine:
 
     def named_parameters(self):
         return self.module.named_parameters()
+
+    def checkpoint_params(self) -> list[tuple[str, torch.nn.Parameter, bool]]:
+        """(canonical name, parameter, owned) of this stage; the tied embedding is owned by the
+        first stage (the last stage's copy is identical and is loaded, not written)."""
+        stage = self.dims.coords(self.rank)[0]
+        tied = {id(p) for p in self.module.tied_modules.parameters()}
+        n = self.cfg.model.num_layers
+        return [
+            (canonical_name(name, n), p, not (id(p) in tied and stage != 0))
+            for name, p in self.module.named_parameters()
+        ]
+
+    def restored(self, step: int) -> None:
+        """After a checkpoint load: DeepSpeed's own counters continue from ``step``."""
+        self.engine.global_steps = step
+        self.engine.global_samples = step * self.cfg.train.global_batch_size
 
     def global_num_parameters(self, local: int) -> int:
         """Parameters of the whole model, each counted once (see ``_build_optimizer``)."""

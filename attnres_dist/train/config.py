@@ -127,6 +127,14 @@ class MetricsConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    dir: str | None = None  # None = <output.run_dir>/checkpoints
+    every: int = 100  # save every N optimizer steps (0 = only at the end); always at the end
+    keep_last: int = 3  # checkpoints kept in dir; older ones are deleted after each save
+    resume: str = "auto"  # auto | none | a checkpoint, a directory of them, or a run directory
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -136,6 +144,7 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -399,6 +408,16 @@ def validate(cfg: Config) -> None:
     _require(p.timeout_s >= 1, "parallel.timeout_s", f"got {p.timeout_s}; must be >= 1")
     k = cfg.metrics.every_k
     _require(k >= 0, "metrics.every_k", f"got {k}; must be >= 0 (0 = off, k = every k-th step)")
+
+    c = cfg.checkpoint
+    _require(c.every >= 0, "checkpoint.every", f"got {c.every}; must be >= 0 (0 = only at the end)")
+    _require(c.keep_last >= 1, "checkpoint.keep_last", f"got {c.keep_last}; must be >= 1")
+    _require(
+        c.resume.strip() != "",
+        "checkpoint.resume",
+        "is empty; use auto, none, or the path of a checkpoint",
+    )
+    _require(c.dir is None or c.dir.strip() != "", "checkpoint.dir", "is empty; use null or a path")
 
 
 def _validate_runtime(r: RuntimeConfig) -> None:

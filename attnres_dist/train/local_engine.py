@@ -49,6 +49,13 @@ class LocalEngine:
     def named_parameters(self):
         return self.model.named_parameters()
 
+    def checkpoint_params(self) -> list[tuple[str, torch.nn.Parameter, bool]]:
+        """(canonical name, parameter, owned): the single-process names are canonical."""
+        return [(name, p, True) for name, p in self.model.named_parameters()]
+
+    def restored(self, step: int) -> None:
+        """Nothing beyond the optimizer and schedule counts steps here."""
+
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter by its canonical name (the single-process names)."""
         return {name: p.detach().clone() for name, p in self.model.named_parameters()}

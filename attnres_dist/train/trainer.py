@@ -5,6 +5,10 @@ default corpus on first use), builds the model parts and the engine, and runs th
 deterministic global batches, one optimizer step each, periodic validation, metrics. A world of
 one process runs the plain-PyTorch reference engine; anything larger runs the DeepSpeed pipeline
 engine over the same parts. Both see exactly the same data at every step.
+
+Checkpoints (``attnres_dist.checkpoint``): the one to resume is chosen before any process group
+starts, loaded right after the engine is built, and the loop continues from its step; saves
+happen every ``checkpoint.every`` steps and at the end, never after a non-finite loss.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 from attnres_dist import data as data_lib
+from attnres_dist.checkpoint import faults
+from attnres_dist.checkpoint.manager import Checkpointing
 from attnres_dist.diagnostics.collector import Diagnostics
 from attnres_dist.errors import ConfigError
 from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
@@ -25,6 +31,7 @@ from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
 from attnres_dist.runtime import select_runtime
 from attnres_dist.train.config import Config
+from attnres_dist.train.guards import check_finite_loss
 from attnres_dist.train.metrics import MetricsWriter
 
 
@@ -54,12 +61,17 @@ class Trainer:
         self.train_data, self.valid_data, self.meta = resolve_dataset(cfg)
         vocab = model_vocab_size(cfg, self.meta)
         self.runtime = select_runtime(cfg.runtime)  # fast paths; refusals are ConfigErrors
+        # so does choosing the checkpoint to resume: missing, damaged or foreign ones are bad input
+        self.checkpoints = Checkpointing.for_run(cfg, self.meta, vocab, self.dims.tp)
         self.launch = init_distributed(self.dims, cfg.parallel.timeout_s, cfg.train.seed)
         torch.manual_seed(cfg.train.seed)
         self.builder = ModelBuilder(
             cfg.model, vocab, tp=self.dims.tp, seed=cfg.train.seed, runtime=self.runtime
         )
         self.engine = self._build_engine()
+        self.start_step, self.resume_note = self.checkpoints.restore(
+            self.engine, self.dims, self.launch.rank
+        )
         self.is_logger = self.launch.rank == 0
         self.run_dir = Path(cfg.output.run_dir)
         self.metrics = MetricsWriter(
@@ -116,32 +128,45 @@ class Trainer:
         tokens_per_step = t.global_batch_size * cfg.model.seq_length
         start = time.perf_counter()
         window_start, window_tokens = start, 0
+        for warning in self.checkpoints.warnings:
+            self.metrics.message(f"warning: {warning}")
+        if self.checkpoints.resume_from is not None:
+            self.metrics.message(
+                f"resumed from {self.checkpoints.resume_from.path} at step {self.start_step} "
+                f"({self.resume_note})"
+            )
+        rank = self.launch.rank
         losses = []
         valid_loss = None
-        for step in range(t.steps):
+        for step in range(self.start_step, t.steps):
+            faults.maybe_fail("before-step", rank, step + 1)
             with self.diagnostics.step(step + 1):  # measures one micro-batch every k steps
                 loss = self.engine.train_step(self.micro_batches(step))
+            check_finite_loss(loss, step + 1, self.checkpoints.last_good)  # before any save
             losses.append(loss)
             window_tokens += tokens_per_step
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"non-finite training loss {loss} at step {step + 1}")
             if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
                 now = time.perf_counter()
                 tps = window_tokens / max(now - window_start, 1e-9)
                 window_start, window_tokens = now, 0
                 self.metrics.log(step + 1, "train", loss=loss, lr=self.engine.lr, tokens_per_s=tps)
                 self.metrics.progress(step + 1, loss=loss, tok_s=tps)
+            if self.checkpoints.due(step + 1, t.steps):
+                path = self.checkpoints.save(step + 1, self.engine, self.dims, rank)
+                self.metrics.log(step + 1, "checkpoint", path=str(path))
+            faults.maybe_fail("after-step", rank, step + 1)
             if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 != t.steps:
                 self.evaluate(step + 1)
         valid_loss = self.evaluate(t.steps)
         wall = time.perf_counter() - start
         summary = {
             "steps": t.steps,
-            "final_train_loss": losses[-1],
+            "start_step": self.start_step,
+            "final_train_loss": losses[-1] if losses else None,
             "final_valid_loss": valid_loss,
             "final_valid_ppl": math.exp(min(valid_loss, 50.0)),
             "wall_time_s": round(wall, 2),
-            "tokens_per_s": round(tokens_per_step * t.steps / wall, 1),
+            "tokens_per_s": round(tokens_per_step * (t.steps - self.start_step) / wall, 1),
             "train_losses": losses,
         }
         if self.is_logger:
