@@ -3,6 +3,8 @@
     attnres-dist train --config configs/tiny.yaml model.num_layers=12 parallel.pp=2
     attnres-dist prepare-data docs/*.txt --output data/mycorpus
     attnres-dist report runs/a runs/b --out runs/report   (plots + markdown summary)
+    attnres-dist export runs/tiny --output exported/tiny
+    attnres-dist generate exported/tiny --prompt "def " --max-new-tokens 200
     attnres-dist profile --config configs/tiny.yaml --steps 5   (under torchrun, like train)
 
 Every subcommand validates its input before any process group starts; a ``UserError`` prints
@@ -93,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     from attnres_dist.diagnostics import report
 
     report.add_parser(sub)
+    from attnres_dist import export
+
+    export.add_parsers(sub)
     from attnres_dist.profile import runner as profile_runner
 
     profile_runner.add_parser(sub)
