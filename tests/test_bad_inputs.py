@@ -1,4 +1,9 @@
-"""Each row of docs/bad_inputs.md: the input gets exactly the documented one-line error, exit 2."""
+"""Each row of docs/bad_inputs.md: the input gets exactly the documented one-line error, exit 2.
+
+``checkpoint`` rows name sample checkpoints as ``$CKPT/...``: ``checkpoint_samples`` writes
+them (small synthetic checkpoints in the real format) and ``$CKPT`` is replaced by their
+directory in the input and in the expected message.
+"""
 
 from __future__ import annotations
 
@@ -23,8 +28,49 @@ def test_table_has_enough_rows():
     assert len(rows()) >= 25
 
 
+def _sample(root: Path, overrides: list[str]) -> Path:
+    """A committed checkpoint at step 10 for configs/tiny.yaml plus ``overrides``."""
+    import safetensors.torch
+    import torch
+
+    from attnres_dist.checkpoint import store
+    from attnres_dist.checkpoint.state import model_signature
+    from attnres_dist.train.config import load_config
+
+    cfg = load_config("configs/tiny.yaml", overrides)
+    tmp = store.begin(root, 10)
+    tensors = {"model/final.final_norm.weight": torch.ones(cfg.model.hidden_size)}
+    info = store.write_bytes(tmp / "stage-000.safetensors", safetensors.torch.save(tensors))
+    info["tensors"] = {key: list(t.shape) for key, t in tensors.items()}
+    body = {"config": cfg.to_dict(), "model": model_signature(cfg.model, 384)}
+    return store.commit(root, 10, {"stage-000.safetensors": info}, body)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_samples(tmp_path_factory) -> Path:
+    import os
+
+    root = tmp_path_factory.mktemp("ckpt")
+    _sample(root / "other-shape", ["model.hidden_size=64"])
+    _sample(root / "other-block", ["model.attnres.block_size=4"])
+    data = _sample(root / "damaged", []) / "stage-000.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    data = _sample(root / "truncated", []) / "stage-000.safetensors"
+    os.truncate(data, 100)
+    (_sample(root / "no-manifest", []) / "manifest.json").unlink()
+    manifest = _sample(root / "bad-manifest", []) / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"step": 10', '"step": 11'))
+    (root / "empty").mkdir()
+    return root
+
+
 @pytest.mark.parametrize("kind, words, expected", rows(), ids=lambda v: str(v)[:48])
-def test_bad_input_gets_documented_error(kind, words, expected, monkeypatch, capsys):
+def test_bad_input_gets_documented_error(kind, words, expected, monkeypatch, capsys, request):
+    if kind == "checkpoint":
+        samples = str(request.getfixturevalue("checkpoint_samples"))
+        words, expected = words.replace("$CKPT", samples), expected.replace("$CKPT", samples)
     args = shlex.split(words)
     for word in [w for w in args if re.match(r"^[A-Z_]+=", w)]:
         name, _, value = word.partition("=")
