@@ -36,6 +36,8 @@ def test_pipeline_bench_smoke(small_dataset, tmp_path):
             assert row["measured"] == [row["predicted"]], (name, row)
             # packed: one message per micro-batch; tuple: one per block tensor
             assert row["messages"] == [row["k"] if variant["payload"] == "tuple" else 1]
+        assert sorted(r["stage"] for r in variant["stages"]) == [0, 1]
+        assert all(r["backward_ms"] > 0 for r in variant["stages"])
     block = result["variants"]["block_packed"]["wire"][0]
     assert block["k"] == 3  # after 4 sublayers (S = 3): b_0, block 1 and the partial block 2
     assert all(r > 0 for r in result["ratios"].values())

@@ -9,7 +9,10 @@ and starting each step after a barrier, so that machine noise hits all three ali
   one backward traversal per element, DESIGN.md section 3);
 * ``baseline``:     the standard residual model (``k = 1``).
 
-A step's time is the slowest rank's. The wire tap (``attnres_dist.profile.wire``) records every
+A step's time is the slowest rank's. Schedule timers (``attnres_dist.profile.schedule``) also
+give each stage's forward and backward time per micro-batch: a tuple payload's extra backward
+traversals land on the sending stage, which the step time hides whenever the other stage is
+the bottleneck. The wire tap (``attnres_dist.profile.wire``) records every
 tensor DeepSpeed's p2p layer sends or receives; per boundary and direction the bytes per
 micro-batch must EQUAL ``boundary_specs``. ``run(out_dir)`` writes ``out_dir/pipeline.json``.
 
@@ -40,7 +43,7 @@ def run(
     out_dir: str | Path,
     config: str | Path = REPO / "configs" / "tiny.yaml",
     overrides: tuple[str, ...] = (),
-    reps: int = 10,
+    reps: int = 15,
     warmup: int = 2,
 ) -> dict:
     """Launch the benchmark job, write ``out_dir/pipeline.json`` and return its content."""
@@ -57,6 +60,8 @@ def run(
         "ratios": {
             "step_time_packed_over_tuple": med["block_packed"] / med["block_tuple"],
             "step_time_block_over_baseline": med["block_packed"] / med["baseline"],
+            "stage0_backward_packed_over_tuple": _stage_ms(raw, "block_packed", 0, "backward")
+            / _stage_ms(raw, "block_tuple", 0, "backward"),
         },
         "wire_bytes_equal_prediction": all(
             row["equal"] for v in raw["variants"].values() for row in v["wire"]
@@ -64,6 +69,11 @@ def run(
     }
     (out_path / "pipeline.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _stage_ms(raw: dict, variant: str, stage: int, kind: str) -> float:
+    rows = [r for r in raw["variants"][variant]["stages"] if r["stage"] == stage]
+    return rows[0][f"{kind}_ms"]
 
 
 def format_table(result: dict) -> str:
@@ -114,6 +124,7 @@ def _worker(args) -> None:
     import torch.distributed as dist
 
     from attnres_dist.pipeline.contract import boundary_specs_for_config
+    from attnres_dist.profile.schedule import ScheduleTimer
     from attnres_dist.profile.wire import WireTap
     from attnres_dist.train.config import load_config
     from attnres_dist.train.trainer import Trainer
@@ -142,26 +153,37 @@ def _worker(args) -> None:
     step_variant = {}
     counter = 0
     engines = [t.engine.engine for t in trainers.values()]
-    with WireTap(engines, rank) as tap:
+    with contextlib.ExitStack() as stack:
+        tap = stack.enter_context(WireTap(engines, rank))
+        # per-stage compute times show where a payload format costs, even when the other
+        # stage is the bottleneck and the step time hides it
+        timers = {
+            n: stack.enter_context(ScheduleTimer(t.engine.engine, rank))
+            for n, t in trainers.items()
+        }
         for rep in range(args.warmup + args.reps):
             order = names[rep % len(names) :] + names[: rep % len(names)]
             for name in order:
                 micro = trainers[name].micro_batches(rep)  # the same data for every variant
                 tap.begin_step(counter)
                 step_variant[counter] = name
-                counter += 1
+                timers[name].enabled = rep >= args.warmup
                 dist.barrier()
                 start = time.perf_counter()
-                trainers[name].engine.train_step(micro)
+                timers[name].run_step(
+                    counter, lambda n=name, m=micro: trainers[n].engine.train_step(m)
+                )
                 elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+                counter += 1
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 if rep >= args.warmup:
                     times[name].append(float(elapsed))
     transfers = [t.to_dict() | {"boundary": t.boundary} for t in tap.transfers]
+    compute = {n: _compute_ms(timer.events) for n, timer in timers.items()}
     gathered = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(transfers, gathered, dst=0)
+    dist.gather_object((transfers, compute), gathered, dst=0)
     if rank == 0:
-        every = [t for part in gathered for t in part]
+        every = [t for part, _ in gathered for t in part]
         out = {
             "variants": {},
             "config": {
@@ -179,11 +201,21 @@ def _worker(args) -> None:
                 "payload": VARIANTS[name][1],
                 "step_s": _quantiles(times[name]),
                 "wire": _wire_rows(specs[name], mine),
+                "stages": [c[name] for _, c in gathered],  # per rank = per stage (pp = 2)
             }
         Path(args.worker).write_text(json.dumps(out, indent=2))
     from attnres_dist.parallel.process_groups import shutdown_distributed
 
     shutdown_distributed()
+
+
+def _compute_ms(events) -> dict:
+    """Median forward and backward milliseconds per micro-batch on this rank."""
+    out = {"stage": events[0].stage if events else None}
+    for kind in ("forward", "backward"):
+        durations = [1e3 * (e.end - e.start) for e in events if e.kind == kind]
+        out[f"{kind}_ms"] = statistics.median(durations) if durations else None
+    return out
 
 
 def _wire_rows(specs, transfers: list[dict]) -> list[dict]:
@@ -215,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
-    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("overrides", nargs="*", help="dotted config overrides")
     args = parser.parse_args(argv)

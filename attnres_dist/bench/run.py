@@ -16,6 +16,11 @@ from pathlib import Path
 from attnres_dist.bench import depth_attention_bench, pipeline_bench
 
 
+def _stage_ms(variants: dict, name: str, stage: int, kind: str = "backward") -> str:
+    rows = [r for r in variants[name]["stages"] if r["stage"] == stage]
+    return f"{rows[0][f'{kind}_ms']:.1f}"
+
+
 def summary_markdown(depth: dict, pipe: dict) -> str:
     r, p = depth["ratios"], pipe["ratios"]
     v = pipe["variants"]
@@ -41,6 +46,10 @@ def summary_markdown(depth: dict, pipe: dict) -> str:
         f"| pipeline step time, packed / tuple payload | "
         f"{p['step_time_packed_over_tuple']:.3f} | Block AttnRes at pp = 2: "
         f"{ms['block_packed']:.1f} ms packed vs {ms['block_tuple']:.1f} ms tuple |",
+        f"| stage 0 backward per micro-batch, packed / tuple | "
+        f"{p['stage0_backward_packed_over_tuple']:.3f} | the sending stage, where a tuple's "
+        f"k = {v['block_tuple']['wire'][0]['k']} backward traversals run: "
+        f"{_stage_ms(v, 'block_packed', 0)} ms vs {_stage_ms(v, 'block_tuple', 0)} ms |",
         f"| pipeline step time, Block AttnRes / baseline | "
         f"{p['step_time_block_over_baseline']:.3f} | pp = 2: {ms['block_packed']:.1f} ms vs "
         f"{ms['baseline']:.1f} ms |",

@@ -9,8 +9,8 @@ time includes waiting. The part when both ranks are ready,
 model comparison use it, and the waits go to the idle time of the waiting stage.
 
 Per stage and step: ``idle = step - forward - backward - transfer - other`` where *other* is
-loading, gradient reduction and the optimizer step; it is set next to the 1F1B bubble
-``(P - 1) / (M + P - 1)``.
+loading, gradient reduction and the optimizer step; averaged over the measured steps it is set
+next to the 1F1B bubble ``(P - 1) / (M + P - 1)``.
 """
 
 from __future__ import annotations
@@ -167,7 +167,6 @@ def _stage_rows(ranks, pairs, dims, num_micro_batches: int) -> list[dict]:
                 ("transfer_s", c),
                 ("other_s", d["other"]),
                 ("idle_s", idle),
-                ("idle_fraction", idle / total if total > 0 else 0.0),
             ):
                 samples[stage][key].append(value)
     P, M = dims.pp, num_micro_batches
@@ -175,7 +174,9 @@ def _stage_rows(ranks, pairs, dims, num_micro_batches: int) -> list[dict]:
     rows = []
     for stage in sorted(samples):
         row = {"stage": stage, "bubble_1f1b": bubble}
-        row |= {key: quantile(vals, 0.5) for key, vals in samples[stage].items()}
+        # means, not medians: the parts of a step then add up to the step
+        row |= {key: sum(vals) / len(vals) for key, vals in samples[stage].items()}
+        row["idle_fraction"] = row["idle_s"] / row["step_s"] if row["step_s"] > 0 else 0.0
         row["forward_per_micro_batch_s"] = quantile(per_mb[stage]["forward"], 0.5)
         row["backward_per_micro_batch_s"] = quantile(per_mb[stage]["backward"], 0.5)
         rows.append(row)

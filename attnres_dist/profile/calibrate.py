@@ -2,14 +2,16 @@
 
 For every pair of ranks that exchange pipeline payloads (stage s and s+1 of the same data- and
 tensor-parallel coordinates) a short ping-pong measures round trips at a few message sizes, one
-of them the boundary's real payload. Half the median round trip is the one-way time; a least
-squares fit of ``time = latency + bytes / bandwidth`` (``fit_latency_bandwidth``) is the model
-the report uses to predict each boundary's transfer time.
+of them the boundary's real payload. Half the fastest round trip is the one-way time (on a
+shared machine interference only ever adds time, so the minimum is the link's own). A fit of
+``time = latency + bytes / bandwidth`` (``fit_latency_bandwidth``) is the model the report
+uses to predict each boundary's transfer time.
 
-The same exchange estimates the clock offset between the two ranks (NTP style, from the round
-trip with the least delay), so send and receive records of different ranks (or hosts) can be
-put on one time axis. On one host the offset is ~0, since all ranks read the same monotonic
-clock; across hosts it is what makes the timeline and the wait/transfer split meaningful.
+Records of different ranks must share one time axis. Ranks under one kernel (one host, or
+network namespaces of one host) read the same monotonic clock, recognised by the kernel's
+boot id, so their offset is exactly 0. Otherwise a timestamped exchange estimates it (NTP
+style, from the round trip with the least delay); across hosts that is what makes the
+timeline and the wait/transfer split meaningful.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -30,7 +33,8 @@ class LinkModel:
     latency_s: float
     bandwidth_Bps: float
     clock_offset_s: float  # receiver clock minus sender clock
-    samples: list[dict] = field(default_factory=list)  # {"bytes", "one_way_s"}
+    clock: str = "shared"  # shared (one kernel's monotonic clock) | estimated
+    samples: list[dict] = field(default_factory=list)  # {"bytes", "one_way_s", "median_s"}
 
     def predict(self, nbytes: int, tensors: int = 1) -> float:
         """Seconds to move ``tensors`` messages totalling ``nbytes`` one way."""
@@ -79,7 +83,13 @@ def _pingpong_leader(peer: int, sizes, reps: int, warmup: int):
             dist.recv(buf, peer)
             if rep >= warmup:
                 rtts.append(time.monotonic() - start)
-        one_way.append({"bytes": buf.numel() * 4, "one_way_s": statistics.median(rtts) / 2})
+        one_way.append(
+            {
+                "bytes": buf.numel() * 4,
+                "one_way_s": min(rtts) / 2,
+                "median_s": statistics.median(rtts) / 2,
+            }
+        )
     offset = min(offsets[warmup:])[1]
     return one_way, offset
 
@@ -114,6 +124,8 @@ def calibrate_links(
                 a = dims.rank_of(stage, dp_rank, tp_rank)
                 b = dims.rank_of(stage + 1, dp_rank, tp_rank)
                 pairs.append((stage, a, b))
+    boot_ids: list = [None] * dist.get_world_size()
+    dist.all_gather_object(boot_ids, _boot_id())
     mine = []
     # pairs run in one global order; a rank in two pairs finishes the first before the second,
     # so the chain of waits is acyclic
@@ -123,13 +135,24 @@ def calibrate_links(
             samples, offset = _pingpong_leader(b, sizes, reps, warmup)
             xs = [s["bytes"] for s in samples]
             latency, bandwidth = fit_latency_bandwidth(xs, [s["one_way_s"] for s in samples])
-            mine.append(LinkModel(a, b, stage, latency, bandwidth, offset, samples))
+            shared = boot_ids[a] is not None and boot_ids[a] == boot_ids[b]
+            clock = "shared" if shared else "estimated"
+            offset = 0.0 if shared else offset
+            mine.append(LinkModel(a, b, stage, latency, bandwidth, offset, clock, samples))
         elif rank == b:
             _pingpong_follower(a, sizes, reps, warmup)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, [m.to_dict() for m in mine])
     links = [LinkModel(**d) for part in gathered for d in part]
     return sorted(links, key=lambda m: (m.sender_stage, m.sender))
+
+
+def _boot_id() -> str | None:
+    """Identifies the running kernel: equal ids mean one CLOCK_MONOTONIC (Linux only)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
 
 
 def clock_offsets(links: list[LinkModel], dims) -> dict[int, float]:

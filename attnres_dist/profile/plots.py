@@ -54,10 +54,10 @@ def plot_timeline(timeline: list[dict], path: Path, step: int | None = None) -> 
                 ax.broken_barh(
                     [(start, ready - start)],
                     (y - 0.4, 0.8),
-                    color=COLORS["wait"],
-                    hatch="//",
-                    edgecolor="#aaaaaa",
-                    linewidth=0,
+                    facecolor=COLORS["wait"],
+                    hatch="///",
+                    edgecolor="#999999",
+                    linewidth=0.3,
                 )
                 start = ready
             height = 0.8 if kind in ("forward", "backward") else 0.4
@@ -82,7 +82,7 @@ def plot_timeline(timeline: list[dict], path: Path, step: int | None = None) -> 
             Patch(color=COLORS["backward"], label="backward (micro-batch)"),
             Patch(color=COLORS["send_act"], label="send"),
             Patch(color=COLORS["recv_act"], label="receive (transfer)"),
-            Patch(facecolor=COLORS["wait"], hatch="//", edgecolor="#aaaaaa", label="waiting"),
+            Patch(facecolor=COLORS["wait"], hatch="///", edgecolor="#999999", label="waiting"),
             Patch(color=COLORS["other"], label="load / reduce / optimizer"),
             Patch(facecolor=COLORS["idle"], edgecolor="#cccccc", label="idle"),
         ],
@@ -152,10 +152,10 @@ def plot_stage_breakdown(stages: list[dict], path: Path) -> Path:
     ax.set_yticks([r["stage"] for r in stages])
     ax.set_yticklabels([f"stage {r['stage']}" for r in stages])
     ax.invert_yaxis()
-    ax.set_xlabel("ms per step (median)")
+    ax.set_xlabel("ms per step (mean over measured steps)")
     ax.set_title("Compute vs communication per stage")
-    ax.margins(x=0.3)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    ax.margins(x=0.35)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.4), ncol=5, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

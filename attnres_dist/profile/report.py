@@ -208,7 +208,7 @@ def _stage_table(profile: dict) -> str:
 def _calibration_table(profile: dict) -> str:
     rows = [
         "| link (ranks) | boundary | latency us | bandwidth | clock offset us | samples "
-        "(bytes: one-way ms) |",
+        "(bytes: fastest one-way ms) |",
         "|---|---|---|---|---|---|",
     ]
     for c in profile["calibration"]:
@@ -216,7 +216,8 @@ def _calibration_table(profile: dict) -> str:
         rows.append(
             f"| {c['sender']} <-> {c['receiver']} | stage {c['sender_stage']} -> "
             f"{c['sender_stage'] + 1} | {c['latency_s'] * 1e6:.0f} | "
-            f"{_rate(c['bandwidth_Bps'])} | {c['clock_offset_s'] * 1e6:.0f} | {samples} |"
+            f"{_rate(c['bandwidth_Bps'])} | {c['clock_offset_s'] * 1e6:.0f} ({c['clock']}) | "
+            f"{samples} |"
         )
     return "\n".join(rows)
 
@@ -299,7 +300,7 @@ def render(profile: dict) -> str:
             "when both ends were ready; the model is latency + bytes / bandwidth from the "
             "start-up ping-pong.",
             "",
-            "## Stages (median per step)",
+            "## Stages (mean per step; per micro-batch: median)",
             "",
             _stage_table(profile),
             "",
