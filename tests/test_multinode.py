@@ -127,13 +127,28 @@ def stop_namespace_processes(ns: str) -> None:
             pass
 
 
-def start(cmd: list[str], log: Path, env: dict[str, str], netns: str | None = None):
-    full_env = {
+# Launcher inputs, and what an in-process process group of an earlier test leaves in
+# os.environ (RANK, WORLD_SIZE, ...): inherited, they would tell the ranks a different world.
+INHERITED = {
+    *("NPROC", "NNODES", "NODE_RANK", "RDZV_ENDPOINT", "RDZV_ID", "RDZV_PORT", "HOSTFILE"),
+    *("SRUN_ARGS", "MPIRUN_ARGS", "PYTHON", "LOCAL_ADDR", "MASTER_ADDR", "MASTER_PORT"),
+    *("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"),
+}
+
+
+def clean_env(**env: str) -> dict[str, str]:
+    clean = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("NPROC", "NNODES", "NODE_RANK", "RDZV_ENDPOINT", "HOSTFILE", "MASTER_ADDR")
+        if k not in INHERITED
+        and not k.startswith(("SLURM_", "PMI_", "MPI_", "OMPI_", "TORCHELASTIC_"))
     }
-    full_env.update(PYTHONWARNINGS="ignore", **env)
+    clean.update(PYTHONWARNINGS="ignore", **env)
+    return clean
+
+
+def start(cmd: list[str], log: Path, env: dict[str, str], netns: str | None = None):
+    full_env = clean_env(**env)
     prefix = ["ip", "netns", "exec", netns] if netns else []
     return subprocess.Popen(
         [*prefix, *cmd],
@@ -259,22 +274,13 @@ def test_mpirun_across_two_hosts_matches_one_host(hosts, single_host, small_data
 # --dry-run: Slurm, SLURM_NODEID, MPIRUN_ARGS
 
 AWKWARD = ["--config", "c.yaml", "output.run_dir=/tmp/a dir/it's", "tag=$HOME"]
-SLURM_VARS = [k for k in os.environ if k.startswith("SLURM_")]
 
 
 def script(name: str, *args: str, **env: str) -> subprocess.CompletedProcess:
-    clean = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in SLURM_VARS
-        and k not in ("NPROC", "NNODES", "NODE_RANK", "RDZV_ENDPOINT", "RDZV_ID", "RDZV_PORT")
-        and k not in ("SRUN_ARGS", "MPIRUN_ARGS", "HOSTFILE", "MASTER_ADDR", "PYTHON")
-    }
-    clean.update(env)
     return subprocess.run(
         [str(REPO / "launch" / name), *args],
         cwd=REPO,
-        env=clean,
+        env=clean_env(**env),
         capture_output=True,
         text=True,
         timeout=30,
