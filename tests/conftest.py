@@ -14,6 +14,18 @@ from attnres_dist.parallel.launch_env import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
+# Set in this process by in-process runs (init_distributed exports them); a child must not
+# inherit a rendezvous port that this process still holds.
+LAUNCH_VARS = {
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "TORCHELASTIC_RUN_ID",
+}
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +41,8 @@ def small_dataset(tmp_path_factory) -> str:
 
 def run_job(args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None):
     """Run ``python args...`` in one process, or under torchrun with ``nproc`` ranks."""
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    full_env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    full_env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     full_env.update(env or {})
     if nproc == 1:
         cmd = [sys.executable, *args]

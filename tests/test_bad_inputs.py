@@ -66,6 +66,14 @@ def checkpoint_samples(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module", autouse=True)
+def default_corpus():
+    """Build the embedded corpus first: its one-time build notice is not part of any error."""
+    from attnres_dist.data import ensure_default_corpus
+
+    ensure_default_corpus(".cache/data")
+
+
 @pytest.mark.parametrize("kind, words, expected", rows(), ids=lambda v: str(v)[:48])
 def test_bad_input_gets_documented_error(kind, words, expected, monkeypatch, capsys, request):
     if kind == "checkpoint":
