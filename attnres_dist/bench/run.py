@@ -78,7 +78,7 @@ def summary_markdown(depth: dict, pipe: dict) -> str:
     cfg = pipe["config"]
     lines += [
         "",
-        f"Pipeline bench: `{cfg['path']}` {' '.join(cfg['overrides'])}, {cfg['reps']} "
+        f"Pipeline bench: `{' '.join([cfg['path'], *cfg['overrides']])}`, {cfg['reps']} "
         f"repetitions after {cfg['warmup']} warm-up, {cfg['threads_per_rank']} thread(s) per "
         "rank; step time = the slowest rank's, each step started after a barrier.",
         "",
