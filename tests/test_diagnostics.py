@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from attnres_dist.diagnostics.collector import Diagnostics
+from attnres_dist.diagnostics.collector import FILENAME, Diagnostics
 from attnres_dist.diagnostics.grads import sublayer_of
 from attnres_dist.diagnostics.reading import reading
 from attnres_dist.errors import ConfigError
@@ -40,7 +40,7 @@ def process_group():
     init_distributed(ParallelDims(), seed=0)
 
 
-def build(mode="block", block_size=3, num_layers=3, seed=0):
+def build(mode="block", block_size=3, num_layers=3, seed=0, recompute="none"):
     cfg = load_config(
         None,
         [
@@ -50,9 +50,10 @@ def build(mode="block", block_size=3, num_layers=3, seed=0):
             "model.seq_length=12",
             f"model.attnres.mode={mode}",
             f"model.attnres.block_size={block_size}",
+            f"parallel.recompute={recompute}",
         ],
     )
-    return AttnResGPT(ModelBuilder(cfg.model, VOCAB, seed=seed))
+    return AttnResGPT(ModelBuilder(cfg.model, VOCAB, seed=seed), recompute)
 
 
 def windows(count=2, batch=2, seed=0):
@@ -67,7 +68,7 @@ def measured_step(model, tmp_path, micro_batches, grad_clip=1.0) -> dict:
     with diagnostics.step(1):
         engine.train_step(micro_batches)
     diagnostics.close()
-    lines = [json.loads(x) for x in (tmp_path / "diagnostics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in (tmp_path / FILENAME).read_text().splitlines()]
     assert [r["kind"] for r in lines] == ["measure", "timing"]
     assert all(layer.probe is None for layer in model.layers) and model.final.probe is None
     return lines[0]
@@ -166,6 +167,23 @@ def test_rms_and_weights_equal_direct_computation(tmp_path, mode):
         assert got["weights"]["mean"] == pytest.approx(w.mean(1).tolist(), abs=1e-6)
         assert got["weights"]["max"] == pytest.approx(w.max(0).values.mean().item(), abs=1e-6)
         assert got["weights"]["entropy"] == pytest.approx(entropy, abs=1e-5)
+
+
+@pytest.mark.parametrize("recompute", ["attnres", "full"])
+def test_recompute_passes_are_not_measured_again(tmp_path, recompute):
+    """Recompute re-runs the forward in backward: the record is the first pass's, unchanged."""
+    records = []
+    for mode in ("none", recompute):
+        model = build("block", 3, recompute=mode)
+        randomize_mixers(model)
+        records.append(measured_step(model, tmp_path / mode, windows(2)))
+    plain, recomputed = records
+    for a, b in zip(plain["sublayers"], recomputed["sublayers"], strict=True):
+        for key in ("in_rms", "out_rms", "state_rms"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6)
+    assert recomputed["grad_norm"]["layers"] == pytest.approx(
+        plain["grad_norm"]["layers"], rel=1e-5
+    )
 
 
 def test_gradient_norms_equal_torch_norms_before_clipping(tmp_path):
