@@ -129,6 +129,8 @@ def test_profile_outputs_well_formed(profiled, mode):
         assert stage["bubble_1f1b"] == pytest.approx((pp - 1) / (4 + pp - 1))
         assert 0.0 <= stage["idle_fraction"] <= 1.0
     assert set(profile["modes"]) == {"baseline", "full", "block (S=3)"}
+    # DeepSpeed's one-off shape metadata is seen, and kept apart from the payload bytes
+    assert all(b > 0 for b in profile["run"]["shape_metadata_bytes"].values())
 
 
 @pytest.mark.slow

@@ -48,7 +48,7 @@ def build_profile(
     M = cfg.grad_accum_steps
     tokens_per_step = t.global_batch_size * m.seq_length
     traces = {r["rank"]: r.pop("trace") for r in ranks}
-    meta = {r["rank"]: r.pop("meta_bytes_warmup") for r in ranks}
+    meta = {r["rank"]: r.pop("meta_bytes") for r in ranks}
     stray = sum(len(r.pop("stray")) for r in ranks)
     result = analyze(ranks, dims, specs, links, M, tokens_per_step, partitioned)
     for rank, trace in traces.items():
@@ -86,7 +86,7 @@ def build_profile(
             "tokens_per_step": tokens_per_step,
             "step_s": result["step_s"],
             "tokens_per_s": result["tokens_per_s"],
-            "shape_metadata_bytes_in_warmup": meta,
+            "shape_metadata_bytes": meta,
             "p2p_calls_outside_instructions": stray,
         },
         "calibration": [link.to_dict() for link in links],
@@ -298,7 +298,12 @@ def render(profile: dict) -> str:
             "times of the "
             "blocking calls (they include waiting for the peer); the transfer time counts from "
             "when both ends were ready; the model is latency + bytes / bandwidth from the "
-            "start-up ping-pong.",
+            "start-up ping-pong. DeepSpeed's shape metadata, sent once per engine before the "
+            "first payload and not part of the contract, took "
+            + ", ".join(
+                f"{b:,} B (rank {r})" for r, b in sorted(run["shape_metadata_bytes"].items())
+            )
+            + ".",
             "",
             "## Stages (mean per step; per micro-batch: median)",
             "",

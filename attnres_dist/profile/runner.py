@@ -175,13 +175,14 @@ def _profile(trainer, opts: ProfileOptions) -> dict | None:
 
     step = 0
     with WireTap([ds_engine], rank) as tap, ScheduleTimer(ds_engine, rank) as timer:
-        tap.enabled = timer.enabled = False
+        timer.enabled = False  # the tap stays on: DeepSpeed sends shape metadata in step 1
         for _ in range(opts.warmup):
+            tap.begin_step(step)
             engine.train_step(trainer.micro_batches(step))
             step += 1
         meta_bytes = sum(t.meta_bytes for t in tap.transfers)
         tap.transfers.clear()
-        tap.enabled = timer.enabled = True
+        timer.enabled = True
         for _ in range(opts.steps):
             tap.begin_step(step)
             micro = trainer.micro_batches(step)
@@ -198,7 +199,7 @@ def _profile(trainer, opts: ProfileOptions) -> dict | None:
         "transfers": [t.to_dict() for t in tap.transfers],
         "steps": timer.steps,
         "stray": tap.stray,
-        "meta_bytes_warmup": meta_bytes,
+        "meta_bytes": meta_bytes + sum(t.meta_bytes for t in tap.transfers),
         "trace": trace,
     }
     gathered: list = [None] * dist.get_world_size() if rank == 0 else None
