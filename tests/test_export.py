@@ -10,6 +10,7 @@ trained model's logits; ``attnres-dist generate`` then decodes bytes from it.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -21,7 +22,7 @@ from attnres_dist.cli import main
 from attnres_dist.parallel.process_groups import shutdown_distributed
 from attnres_dist.train.config import load_config
 from attnres_dist.train.trainer import Trainer
-from tests.conftest import REPO
+from tests.conftest import LAUNCH_VARS, REPO
 from tests.test_checkpoint import args_for, in_process
 
 NO_DEEPSPEED = """
@@ -88,6 +89,7 @@ def test_export_loads_and_generates_without_deepspeed(trained, tmp_path, capsys)
             str(tmp / "logits.pt"),
         ],
         cwd=REPO,
+        env={k: v for k, v in os.environ.items() if k not in LAUNCH_VARS},
         capture_output=True,
         text=True,
         timeout=300,

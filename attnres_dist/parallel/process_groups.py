@@ -41,7 +41,10 @@ def init_distributed(
     """Initialise the default process group and Megatron's model-parallel groups."""
     launch = launch or detect_launch_env()
     dims.check_world_size(launch.world_size, launch.launcher)
-    export_torch_env(launch)
+    if launch.launcher != "single":
+        # DeepSpeed reads these; a plain single process keeps its environment clean so that
+        # what it starts later does not inherit a rendezvous port it still holds
+        export_torch_env(launch)
     set_threads(launch.world_size)
     if torch.cuda.is_available():
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
