@@ -332,3 +332,21 @@ def test_reading_tells_a_difference_from_seed_noise():
     )
     assert "**block S=3**" in text and "**better** than the baseline" in text
     assert "- **full**" in text and "within seed noise" in text
+
+
+@pytest.mark.slow
+def test_study_results_file_from_run_dirs(runs, tmp_path):
+    """The study's last stage (no training): results.md with tables, reading and figures."""
+    from argparse import Namespace
+
+    from attnres_dist.diagnostics import study
+
+    args = Namespace(
+        results=str(tmp_path / "results.md"), config="configs/study-cpu.yaml", overrides=[], nproc=1
+    )
+    path = study.write_results(args, [runs[1], runs[2]], total_s=60.0)
+    text = path.read_text()
+    for section in ("## Setup", "## Results", "## Reading", "## Depth statistics", "## Figures"):
+        assert section in text
+    assert (tmp_path / "results" / "losses.png").is_file()
+    assert "![losses](results/losses.png)" in text

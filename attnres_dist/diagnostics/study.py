@@ -35,6 +35,7 @@ from attnres_dist.diagnostics import runs as R
 from attnres_dist.diagnostics.reading import reading
 
 VARIANTS = ("baseline", "block", "full")
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 QUICK = [
     "train.steps=20",
     "optim.warmup_steps=5",
@@ -154,8 +155,11 @@ def write_results(args, run_dirs: list[Path], total_s: float) -> Path:
         "",
         *report.variant_table(stats),
         "",
-        "*instrumentation overhead*: median time of a measured step against an unmeasured one "
-        "(rank 0's wall clock, first step excluded), and that cost spread over k steps.",
+        "*instrumentation cost*: median time spent inside the instrumentation on a measured "
+        "step, as a share of a median plain step (and spread over the k steps it covers); then "
+        "the end-to-end difference of median measured and plain step times (rank 0's wall "
+        "clock, first step excluded), which other jobs on a shared machine can swamp. See "
+        f"[diagnostics.md]({os.path.relpath(DOCS / 'diagnostics.md', results.parent)}).",
         "",
         "## Reading",
         "",
