@@ -28,6 +28,20 @@ LAUNCH_VARS = {
 }
 
 
+# A model small enough for multi-process tests; block size 3 puts stage cuts inside blocks.
+TINY_MODEL = (
+    "model.num_layers=4",
+    "model.hidden_size=32",
+    "model.num_attention_heads=4",
+    "model.seq_length=16",
+    "model.attnres.block_size=3",
+    "train.steps=10",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=8",
+    "optim.warmup_steps=1",
+)
+
+
 @pytest.fixture(scope="session")
 def small_dataset(tmp_path_factory) -> str:
     """A byte-level dataset of ~40 standard-library modules, prepared with prepare-data."""

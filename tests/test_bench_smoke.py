@@ -10,24 +10,13 @@ import pytest
 
 from attnres_dist.bench import depth_attention_bench, pipeline_bench
 from attnres_dist.bench.run import summary_markdown
-
-TINY = (
-    "model.num_layers=4",
-    "model.hidden_size=32",
-    "model.num_attention_heads=4",
-    "model.seq_length=16",
-    "model.attnres.block_size=3",
-    "train.steps=10",
-    "train.micro_batch_size=2",
-    "train.global_batch_size=8",
-    "optim.warmup_steps=1",
-)
+from tests.conftest import TINY_MODEL
 
 
 @pytest.mark.slow
 def test_pipeline_bench_smoke(small_dataset, tmp_path):
     result = pipeline_bench.run(
-        tmp_path, overrides=(f"data.path={small_dataset}", *TINY), reps=1, warmup=1
+        tmp_path, overrides=(f"data.path={small_dataset}", *TINY_MODEL), reps=1, warmup=1
     )
     assert (tmp_path / "pipeline.json").exists()
     assert result["wire_bytes_equal_prediction"]

@@ -18,7 +18,7 @@ import pytest
 
 from attnres_dist.pipeline.contract import boundary_specs_for_config
 from attnres_dist.train.config import load_config
-from tests.conftest import REPO, run_job
+from tests.conftest import REPO, TINY_MODEL, run_job
 
 MODES = ["baseline", "full", "block"]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -29,15 +29,7 @@ STEPS = 2
 def overrides(data: str, run_dir: str, pp: int) -> list[str]:
     return [
         f"data.path={data}",
-        "model.num_layers=4",
-        "model.hidden_size=32",
-        "model.num_attention_heads=4",
-        "model.seq_length=16",
-        "model.attnres.block_size=3",
-        "train.steps=10",
-        "train.micro_batch_size=2",
-        "train.global_batch_size=8",
-        "optim.warmup_steps=1",
+        *TINY_MODEL,
         f"parallel.pp={pp}",
         f"output.run_dir={run_dir}",
     ]
