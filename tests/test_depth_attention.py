@@ -22,6 +22,7 @@ import torch
 
 from attnres_dist.bench.saved_bytes import SavedTensorCounter
 from attnres_dist.ops import (
+    DepthAttentionImpl,
     available_depth_attention_impls,
     depth_attention,
     depth_attention_reference,
@@ -270,18 +271,21 @@ def test_validation_errors(impl):
 
 
 def test_registry():
-    assert get_depth_attention("lean") is depth_attention
-    assert get_depth_attention("reference") is depth_attention_reference
-    assert get_depth_attention() is depth_attention
+    assert get_depth_attention("lean").one_pass is depth_attention
+    assert get_depth_attention("reference").one_pass is depth_attention_reference
+    assert get_depth_attention().name == "lean"
     assert {"lean", "reference"} <= set(available_depth_attention_impls())
     with pytest.raises(ValueError, match="allowed:.*'lean'.*'reference'"):
         get_depth_attention("fused_cuda_missing")
     with pytest.raises(ValueError, match="already registered"):
-        register_depth_attention("lean", depth_attention_reference)
+        register_depth_attention(DepthAttentionImpl("lean", depth_attention_reference))
+    with pytest.raises(ValueError, match="DepthAttentionImpl"):
+        register_depth_attention(depth_attention_reference)
 
 
 def test_registry_accepts_new_impl(monkeypatch):
     registry = dict(importlib.import_module("attnres_dist.ops")._REGISTRY)
     monkeypatch.setattr(importlib.import_module("attnres_dist.ops"), "_REGISTRY", registry)
-    register_depth_attention("test_impl", depth_attention_reference)
-    assert get_depth_attention("test_impl") is depth_attention_reference
+    impl = DepthAttentionImpl("test_impl", depth_attention_reference)
+    register_depth_attention(impl)
+    assert get_depth_attention("test_impl") is impl

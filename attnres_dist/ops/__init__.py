@@ -1,16 +1,22 @@
-"""Fused/lean tensor ops and the registry that selects their implementation.
+"""Depth-attention ops and the registry that selects their implementation.
 
-Owns the depth-attention implementation registry: every implementation shares the
-signature of :class:`DepthAttentionImpl` and is looked up by name with
-:func:`get_depth_attention`. ``"lean"`` (the default) is the memory-lean autograd
-function and ``"reference"`` the plain-autograd ground truth; accelerator kernels
-register themselves with :func:`register_depth_attention` under a new name.
+Every implementation is a :class:`DepthAttentionImpl`: a name, a one-pass function with the
+signature of :func:`depth_attention` (``query, sources, norm_weight, eps, return_weights``) and,
+when it supports the paper's two-phase computation, the two phase functions
+(``phase1(blocks, queries, norm_weights, eps) -> (out1, lse)`` over the contiguous store of
+completed blocks for several sublayers at once, and
+``phase2(out1, lse, extra, query, norm_weight, eps) -> out`` merging the sources not in the
+store by online softmax). ``requirement()`` says why an implementation cannot run here (None
+when it can), so a config asking for it is refused with that reason.
+
+``"lean"`` is the memory-lean one-pass autograd function and ``"reference"`` the plain-autograd
+ground truth; other implementations register themselves with :func:`register_depth_attention`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from torch import Tensor
 
@@ -29,8 +35,24 @@ __all__ = [
 ]
 
 
-class DepthAttentionImpl(Protocol):
-    """Signature shared by every depth-attention implementation."""
+def _always_available() -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class DepthAttentionImpl:
+    """One depth-attention implementation: one-pass function, optional two-phase functions."""
+
+    name: str
+    one_pass: Callable[..., Tensor | tuple[Tensor, Tensor]]
+    phase1: Callable[..., tuple[Tensor, Tensor]] | None = None
+    phase2: Callable[..., Tensor] | None = None
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    requirement: Callable[[], str | None] = _always_available
+
+    @property
+    def two_phase(self) -> bool:
+        return self.phase1 is not None and self.phase2 is not None
 
     def __call__(
         self,
@@ -39,26 +61,27 @@ class DepthAttentionImpl(Protocol):
         norm_weight: Tensor,
         eps: float = 1e-6,
         return_weights: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]: ...
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        return self.one_pass(query, sources, norm_weight, eps=eps, return_weights=return_weights)
 
 
 DEFAULT_DEPTH_ATTENTION = "lean"
 
 _REGISTRY: dict[str, DepthAttentionImpl] = {
-    "lean": depth_attention,
-    "reference": depth_attention_reference,
+    "lean": DepthAttentionImpl("lean", depth_attention),
+    "reference": DepthAttentionImpl("reference", depth_attention_reference),
 }
 
 
-def register_depth_attention(
-    name: str, impl: DepthAttentionImpl, *, overwrite: bool = False
-) -> None:
-    """Make ``impl`` selectable as ``get_depth_attention(name)``."""
-    if not name or not isinstance(name, str):
-        raise ValueError(f"implementation name must be a non-empty string, got {name!r}")
-    if name in _REGISTRY and not overwrite:
-        raise ValueError(f"depth-attention implementation {name!r} is already registered")
-    _REGISTRY[name] = impl
+def register_depth_attention(impl: DepthAttentionImpl, *, overwrite: bool = False) -> None:
+    """Make ``impl`` selectable as ``get_depth_attention(impl.name)``."""
+    if not isinstance(impl, DepthAttentionImpl):
+        raise ValueError(f"expected a DepthAttentionImpl, got {type(impl).__name__}")
+    if not impl.name or not isinstance(impl.name, str):
+        raise ValueError(f"implementation name must be a non-empty string, got {impl.name!r}")
+    if impl.name in _REGISTRY and not overwrite:
+        raise ValueError(f"depth-attention implementation {impl.name!r} is already registered")
+    _REGISTRY[impl.name] = impl
 
 
 def available_depth_attention_impls() -> tuple[str, ...]:
