@@ -64,6 +64,25 @@ def test_interleaved_runs_deadlock_free_with_the_textbook_bubble(P, V, M):
     assert result.blocking_bubble == result.bubble
 
 
+@pytest.mark.parametrize("forward, backward", [(1, 1), (1, 3), (3, 2)])
+def test_interleaved_stays_correct_when_costs_differ_from_the_planned_ones(forward, backward):
+    # commits are placed for backward = 2 forward; other costs may wait, never deadlock
+    P, V, M = 4, 3, 8
+    scheds = [InterleavedSchedule(M, P, r, V) for r in range(P)]
+    result = simulate(scheds, looped(P), P * V, M, forward, backward)
+    assert result.blocking_bubble >= result.bubble
+
+
+@pytest.mark.parametrize("P, V, M, G", [(2, 2, 6, 4), (2, 3, 5, 3)])
+def test_interleaved_with_larger_micro_batch_groups(P, V, M, G):
+    # Megatron's microbatch_group_size_per_vp_stage G > P: groups of 4 + 2, or 3 + 2 (M % P
+    # != 0); the second needs passes held back for a common commit time, at no cost here
+    scheds = [InterleavedSchedule(M, P, r, V, group_size=G) for r in range(P)]
+    result = simulate(scheds, looped(P), P * V, M, Fraction(1, V), Fraction(2, V))
+    assert result.messages == 2 * (P * V - 1) * M
+    assert result.blocking_bubble == result.bubble == Fraction(P - 1, V * M + P - 1)
+
+
 @pytest.mark.parametrize("P, M", [(2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (4, 12)])
 def test_1f1b_control_has_the_1f1b_bubble(P, M):
     result = run_1f1b(P, M)

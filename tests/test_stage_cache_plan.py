@@ -158,6 +158,20 @@ def test_hand_computed_example_p4_v2():
     assert plan.bytes_per_micro_batch(True) == 21 * per_block
 
 
+def test_phase_shapes_are_the_transitions_into_and_out_of_each_chunk():
+    plan = plan_for(model(8), 4, 2, "looped")  # the hand-computed example above
+    assert plan.phase_shapes(0) == [
+        {"recv": None, "send": (2, 4, 2, 8)},
+        {"recv": (3, 4, 2, 8), "send": (3, 4, 2, 8)},
+    ]
+    assert plan.phase_shapes(3, cached=False)[1] == {"recv": (8, 4, 2, 8), "send": None}
+    v = plan_for(model(8), 4, 2, "vshape")
+    assert v.phase_shapes(3) == [
+        {"recv": (4, 4, 2, 8), "send": None},  # the turn stays on rank 3
+        {"recv": None, "send": (2, 4, 2, 8)},
+    ]
+
+
 def test_cache_entries_and_gradient_injection_points():
     plan = plan_for(model(4), 2, 2, "looped")  # chunk c = layer c; rank 0: 0, 2; rank 1: 1, 3
     entries = {(e.rank, e.block): e for e in plan.entries}

@@ -174,6 +174,24 @@ class CachePlan:
     def entries_of(self, rank: int) -> list[CacheEntry]:
         return [e for e in self.entries if e.rank == rank]
 
+    def phase_shapes(self, rank: int, cached: bool = True) -> list[dict[str, tuple | None]]:
+        """Per phase of ``rank``: the shape it receives (activation in, gradient out) and sends.
+
+        One transition enters and one leaves each chunk, so a phase's shapes are fixed: what an
+        engine allocates for its receives instead of exchanging shapes. None: no p2p there.
+        """
+        out = []
+        for chunk in self.layout.chunks_of(rank):
+            into = self.transitions[chunk - 1] if chunk > 0 else None
+            out_of = self.transitions[chunk] if chunk < self.layout.C - 1 else None
+            out.append(
+                {
+                    "recv": into.shape(cached) if into and into.kind != "local" else None,
+                    "send": out_of.shape(cached) if out_of and out_of.kind != "local" else None,
+                }
+            )
+        return out
+
     def bytes_per_micro_batch(self, cached: bool) -> int:
         """Activation bytes of one micro-batch's forward over all transitions."""
         return sum(t.nbytes(cached) for t in self.transitions)
