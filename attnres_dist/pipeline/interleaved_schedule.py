@@ -12,13 +12,14 @@ micro-batches first in, first out, as Megatron pops its ``input_tensors`` queue.
 Form. Instructions are built the way ``DualPipeVSchedule`` builds them: every pass, send and
 receive carries ``phase`` = the rank-local chunk index, the pipe buffer of (phase, micro-batch)
 is ``phase * M + micro_batch``, and sends and receives only queue work that the next
-``CommitP2P`` launches as one batch. Which batch a message travels in is derived for all ranks
-at once: every pass gets the earliest *slot* after the slots of the passes it depends on on
-other ranks (``assign_slots``), a rank runs its passes slot by slot, and after slot t it commits
-the messages produced in slot t, both the ones it sends and the ones it receives. Every message
-therefore travels in the same slot's commit on both sides, and within a commit both sides list
-a peer's messages in the sender's order, so blocking batched p2p neither deadlocks nor pairs a
-receive with the wrong send (with P = 2 activations and gradients share one pair of ranks).
+``CommitP2P`` launches as one batch. Which commit a message travels in is decided for all
+ranks at once (``plan_commits``): with unit costs (backward = 2 x forward) every pass gets its
+start and end time, and a message is committed at the first time after its producer ends at
+which neither of the two ranks is inside a pass. Both sides therefore commit it at the same
+point of a global order of commit times, and within a commit both list a peer's messages in
+the sender's order, so blocking batched p2p neither deadlocks (whatever the real costs) nor
+pairs a receive with the wrong send (with P = 2 activations and gradients share one pair of
+ranks); at the planned costs no commit waits on top of the data flow.
 """
 
 from __future__ import annotations
