@@ -10,7 +10,9 @@ store by online softmax). ``requirement()`` says why an implementation cannot ru
 when it can), so a config asking for it is refused with that reason.
 
 ``"lean"`` is the memory-lean one-pass autograd function and ``"reference"`` the plain-autograd
-ground truth; other implementations register themselves with :func:`register_depth_attention`.
+ground truth; ``"triton"``, ``"fla"`` and ``"flash_attn_res"`` are the GPU kernels of
+:mod:`attnres_dist.ops.kernel_impls`; other implementations register themselves with
+:func:`register_depth_attention`.
 """
 
 from __future__ import annotations
@@ -98,3 +100,10 @@ def get_depth_attention(impl: str = DEFAULT_DEPTH_ATTENTION) -> DepthAttentionIm
         raise ValueError(
             f"unknown depth-attention implementation {impl!r}; allowed: {allowed}"
         ) from None
+
+
+# GPU kernels (triton, fla, flash_attn_res): records whose modules import on first call.
+from attnres_dist.ops.kernel_impls import KERNEL_IMPLS  # noqa: E402
+
+for _impl in KERNEL_IMPLS:
+    register_depth_attention(_impl)

@@ -1,0 +1,239 @@
+"""Two-phase depth attention on Triton kernels: autograd functions and the one-pass op.
+
+``phase1(blocks, queries, norm_weights, eps) -> (out1, lse)`` attends the ``S`` pseudo-queries
+of one block's sublayers over the contiguous store of completed blocks; ``phase2(out1, lse,
+extra, query, norm_weight, eps) -> out`` merges one sublayer's sources outside the store (the
+partial block) by online softmax and casts once. Both are ``torch.autograd.Function``s whose
+forward and backward run the kernels of :mod:`attnres_dist.ops.triton_kernels`.
+
+Saved for backward: phase 1 keeps the store itself (no copy), the queries, gains and its own
+outputs ``out1`` / ``lse`` (alive anyway until phase 2's backward); phase 2 keeps its inputs and
+one float per token (the merged log-sum-exp). No normalised keys, logits or ``[S, n, T, D]``
+intermediates are kept; backward recomputes ``r`` and the logits from the sources.
+
+``one_pass`` is the registry's one-pass function built from them (stack the sources, phase 1
+with one query, cast); asked for the softmax weights, it answers with the lean op, which
+computes the same weights (the diagnostics' path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from attnres_dist.ops import triton_kernels as K
+from attnres_dist.ops.depth_attention import depth_attention, validate_inputs
+
+
+def _check_device(t: Tensor) -> None:
+    if t.device.type != "cuda" and not K.interpreting():
+        raise ValueError(
+            f"the triton depth-attention kernels need CUDA tensors (got {t.device}); "
+            "set TRITON_INTERPRET=1 to run them on the CPU through Triton's interpreter"
+        )
+
+
+def _check_phase1(blocks: Tensor, queries: Tensor, norm_weights: Tensor) -> None:
+    if blocks.dim() < 2 or blocks.shape[0] < 1 or blocks.shape[-1] < 1:
+        raise ValueError(f"blocks must be [n >= 1, *batch, D], got {tuple(blocks.shape)}")
+    if not blocks.is_floating_point():
+        raise ValueError(f"blocks must be floating point, got {blocks.dtype}")
+    dim = blocks.shape[-1]
+    for name, t in (("queries", queries), ("norm_weights", norm_weights)):
+        if t.dim() != 2 or t.shape[1] != dim or t.shape[0] < 1:
+            raise ValueError(f"{name} must be [S, D] with D = {dim}, got {tuple(t.shape)}")
+        if t.device != blocks.device:
+            raise ValueError(f"{name} is on {t.device} but blocks are on {blocks.device}")
+    if queries.shape != norm_weights.shape:
+        raise ValueError(
+            f"queries {tuple(queries.shape)} and norm_weights {tuple(norm_weights.shape)} differ"
+        )
+    _check_device(blocks)
+
+
+def _check_phase2(out1: Tensor, lse: Tensor, extra: Tensor, query: Tensor, weight: Tensor) -> None:
+    if extra.dim() < 2 or extra.shape[0] < 1:
+        raise ValueError(f"extra must be [m >= 1, *batch, D], got {tuple(extra.shape)}")
+    if out1.shape != extra.shape[1:]:
+        raise ValueError(f"out1 must be {tuple(extra.shape[1:])}, got {tuple(out1.shape)}")
+    if lse.shape != extra.shape[1:-1]:
+        raise ValueError(f"lse must be {tuple(extra.shape[1:-1])}, got {tuple(lse.shape)}")
+    dim = extra.shape[-1]
+    for name, t in (("query", query), ("norm_weight", weight)):
+        if t.shape != (dim,):
+            raise ValueError(f"{name} must be [D] = [{dim}], got {tuple(t.shape)}")
+    for name, t in (("out1", out1), ("lse", lse), ("query", query), ("norm_weight", weight)):
+        if t.device != extra.device:
+            raise ValueError(f"{name} is on {t.device} but extra is on {extra.device}")
+    _check_device(extra)
+
+
+def _launch_groups(num_queries: int, tokens: int, dim: int):
+    block_s, block_t, block_d = K.tile_sizes(num_queries, tokens, dim)
+    warps = K.num_warps(block_s * block_t * block_d)
+    groups = [(s, min(s + block_s, num_queries)) for s in range(0, num_queries, block_s)]
+    return groups, block_s, block_t, block_d, warps
+
+
+class _Phase1(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, blocks, queries, norm_weights, eps):
+        n, dim = blocks.shape[0], blocks.shape[-1]
+        batch = blocks.shape[1:-1]
+        store = blocks.contiguous()  # the contiguous store: a no-op
+        tokens = store[0].numel() // dim
+        u = (norm_weights.float() * queries.float()).contiguous()
+        num_q = u.shape[0]
+        out1 = torch.empty(num_q, tokens, dim, dtype=torch.float32, device=store.device)
+        lse = torch.empty(num_q, tokens, dtype=torch.float32, device=store.device)
+        groups, block_s, block_t, block_d, warps = _launch_groups(num_q, tokens, dim)
+        grid = (triton_cdiv(tokens, block_t),)
+        for s0, s1 in groups:
+            K.phase1_fwd_kernel()[grid](
+                store, u[s0:s1], out1[s0:s1], lse[s0:s1], n, tokens, dim, s1 - s0, float(eps),
+                BLOCK_S=block_s, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
+            )  # fmt: skip
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(store, queries, norm_weights, u, out1, lse)
+        ctx.eps, ctx.batch = float(eps), batch
+        return out1.view(num_q, *batch, dim), lse.view(num_q, *batch)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_out1, g_lse):
+        store, queries, norm_weights, u, out1, lse = ctx.saved_tensors
+        n, dim = store.shape[0], store.shape[-1]
+        num_q, tokens = out1.shape[0], out1.shape[1]
+        if g_out1 is None and g_lse is None:
+            return None, None, None, None
+        if g_out1 is None:
+            g_out1 = torch.zeros_like(out1)
+        g_out1 = g_out1.reshape(num_q, tokens, dim).contiguous()
+        has_g_lse = g_lse is not None
+        g_lse = g_lse.reshape(num_q, tokens).float().contiguous() if has_g_lse else lse
+        groups, block_s, block_t, block_d, warps = _launch_groups(num_q, tokens, dim)
+        # Several query groups add into one gradient: accumulate it in float32.
+        acc_dtype = store.dtype if len(groups) == 1 else torch.float32
+        d_blocks = torch.empty(store.shape, dtype=acc_dtype, device=store.device)
+        tiles = triton_cdiv(tokens, block_t)
+        programs = K.persistent_programs(tiles, store.device)
+        du = torch.empty(num_q, dim, dtype=torch.float32, device=store.device)
+        for i, (s0, s1) in enumerate(groups):
+            part = torch.empty(programs, s1 - s0, dim, dtype=torch.float32, device=store.device)
+            K.phase1_bwd_kernel()[(programs,)](
+                store, u[s0:s1], out1[s0:s1], lse[s0:s1], g_out1[s0:s1], g_lse[s0:s1],
+                d_blocks, part, n, tokens, dim, s1 - s0, ctx.eps, tiles,
+                HAS_G_LSE=has_g_lse, ACCUMULATE=i > 0,
+                BLOCK_S=block_s, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
+            )  # fmt: skip
+            du[s0:s1] = part.sum(dim=0)
+        need_b, need_q, need_g = ctx.needs_input_grad[:3]
+        d_blocks = d_blocks.to(store.dtype) if need_b else None
+        dq = (du * norm_weights.float()).to(queries.dtype) if need_q else None
+        dg = (du * queries.float()).to(norm_weights.dtype) if need_g else None
+        return d_blocks, dq, dg, None
+
+
+class _Phase2(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out1, lse, extra, query, norm_weight, eps):
+        m, dim = extra.shape[0], extra.shape[-1]
+        sources = extra.contiguous()
+        tokens = sources[0].numel() // dim
+        o1 = out1.reshape(tokens, dim).float().contiguous()
+        z = lse.reshape(tokens).float().contiguous()
+        u = (norm_weight.float() * query.float()).contiguous()
+        out = torch.empty(tokens, dim, dtype=extra.dtype, device=extra.device)
+        lse_tot = torch.empty(tokens, dtype=torch.float32, device=extra.device)
+        _, block_t, block_d = K.tile_sizes(1, tokens, dim)
+        K.phase2_fwd_kernel()[(triton_cdiv(tokens, block_t),)](
+            o1, z, sources, u, out, lse_tot, m, tokens, dim, float(eps),
+            BLOCK_T=block_t, BLOCK_D=block_d, num_warps=K.num_warps(block_t * block_d),
+        )  # fmt: skip
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(o1, z, lse_tot, sources, query, norm_weight, u)
+        ctx.eps, ctx.shape, ctx.out1_dtype = float(eps), out1.shape, out1.dtype
+        return out.view(extra.shape[1:])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        if grad_out is None:
+            return None, None, None, None, None, None
+        o1, z, lse_tot, sources, query, norm_weight, u = ctx.saved_tensors
+        tokens, dim = o1.shape
+        grad = grad_out.reshape(tokens, dim).contiguous()
+        _, block_t, block_d = K.tile_sizes(1, tokens, dim)
+        tiles = triton_cdiv(tokens, block_t)
+        programs = K.persistent_programs(tiles, o1.device)
+        d_out1 = torch.empty_like(o1)
+        d_lse = torch.empty_like(z)
+        d_extra = torch.empty_like(sources)
+        part = torch.empty(programs, dim, dtype=torch.float32, device=o1.device)
+        K.phase2_bwd_kernel()[(programs,)](
+            grad, o1, z, lse_tot, sources, u, d_out1, d_lse, d_extra, part,
+            sources.shape[0], tokens, dim, ctx.eps, tiles,
+            BLOCK_T=block_t, BLOCK_D=block_d, num_warps=K.num_warps(block_t * block_d),
+        )  # fmt: skip
+        du = part.sum(dim=0)
+        need = ctx.needs_input_grad
+        return (
+            d_out1.view(ctx.shape).to(ctx.out1_dtype) if need[0] else None,
+            d_lse.view(ctx.shape[:-1]) if need[1] else None,
+            d_extra.view(sources.shape) if need[2] else None,
+            (du * norm_weight.float()).to(query.dtype) if need[3] else None,
+            (du * query.float()).to(norm_weight.dtype) if need[4] else None,
+            None,
+        )
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def phase1(
+    blocks: Tensor, queries: Tensor, norm_weights: Tensor, eps: float = 1e-6
+) -> tuple[Tensor, Tensor]:
+    """Attend ``queries`` ``[S, D]`` over the store ``blocks`` ``[n, *batch, D]``.
+
+    Returns ``out1`` ``[S, *batch, D]`` (float32, softmax-weighted sum of the blocks) and
+    ``lse`` ``[S, *batch]`` (float32 log-sum-exp of the logits); differentiable w.r.t. all three
+    tensor arguments.
+    """
+    _check_phase1(blocks, queries, norm_weights)
+    return _Phase1.apply(blocks, queries, norm_weights, eps)
+
+
+def phase2(
+    out1: Tensor,
+    lse: Tensor,
+    extra: Tensor,
+    query: Tensor,
+    norm_weight: Tensor,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Merge the sources ``extra`` ``[m, *batch, D]`` into one sublayer's phase-1 result.
+
+    Equals one-pass depth attention over the store's blocks followed by ``extra``; the output
+    has ``extra``'s dtype. Differentiable w.r.t. every tensor argument.
+    """
+    _check_phase2(out1, lse, extra, query, norm_weight)
+    return _Phase2.apply(out1, lse, extra, query, norm_weight, eps)
+
+
+def one_pass(
+    query: Tensor,
+    sources: Sequence[Tensor],
+    norm_weight: Tensor,
+    eps: float = 1e-6,
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """One-pass depth attention (the signature of ``depth_attention``) on the phase-1 kernel."""
+    validate_inputs(query, sources, norm_weight)
+    if return_weights:
+        return depth_attention(query, sources, norm_weight, eps=eps, return_weights=True)
+    out1, _ = phase1(torch.stack(tuple(sources)), query[None], norm_weight[None], eps)
+    return out1[0].to(sources[0].dtype)
