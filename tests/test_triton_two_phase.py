@@ -26,7 +26,7 @@ from attnres_dist.ops import depth_attention_reference, get_depth_attention
 pytest.importorskip("triton")
 
 from attnres_dist.ops import triton_kernels as K  # noqa: E402
-from attnres_dist.ops.triton_two_phase import one_pass, phase1, phase2  # noqa: E402
+from attnres_dist.ops.triton_two_phase import phase1, phase2  # noqa: E402
 
 DEVICES = [
     "cpu",
