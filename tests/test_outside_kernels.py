@@ -79,6 +79,10 @@ def test_fla_naive_mapping_equals_reference(dtype, n):
 @pytest.mark.parametrize("n", NS)
 def test_triton_kernels_match_fla_naive(dtype, n, monkeypatch):
     pytest.importorskip("triton")
+    from attnres_dist.ops.triton_kernels import interpreter_problem
+
+    if interpreter_problem() is not None:
+        pytest.skip(f"Triton's interpreter fails here: {interpreter_problem()}")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     naive = load_fla_naive()
     sources, query, gain, grad = make_sources(n, dtype, seed=100 + n)

@@ -49,6 +49,8 @@ def mode(request, monkeypatch):
     """Interpret on the CPU, compile on CUDA."""
     device = request.param
     if device == "cpu":
+        if K.interpreter_problem() is not None:
+            pytest.skip(f"Triton's interpreter fails here: {K.interpreter_problem()}")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     else:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -244,7 +246,10 @@ def test_registry_entry_and_requirement(monkeypatch):
     impl = get_depth_attention("triton")
     assert impl.two_phase and impl.devices == ("cuda",)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert impl.requirement() is None
+    if K.interpreter_problem() is None:
+        assert impl.requirement() is None
+    elif not torch.cuda.is_available():
+        assert impl.requirement().startswith("Triton's CPU interpreter fails here")
     monkeypatch.delenv("TRITON_INTERPRET")
     if not torch.cuda.is_available():
         assert impl.requirement().startswith("needs a CUDA device")

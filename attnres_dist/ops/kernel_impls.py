@@ -38,9 +38,14 @@ def _interpreting() -> bool:
 def triton_requirement() -> str | None:
     if not _installed("triton"):
         return "triton is not installed"
-    if not (torch.cuda.is_available() or _interpreting()):
+    if torch.cuda.is_available():
+        return None
+    if not _interpreting():
         return "needs a CUDA device (or TRITON_INTERPRET=1 for Triton's CPU interpreter)"
-    return None
+    from attnres_dist.ops.triton_kernels import interpreter_problem
+
+    problem = interpreter_problem()
+    return None if problem is None else f"Triton's CPU interpreter fails here ({problem})"
 
 
 def _outside_requirement(module: str, package: str, why_cuda: str) -> str | None:
