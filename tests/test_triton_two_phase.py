@@ -273,3 +273,24 @@ def test_kernels_are_compiled_per_interpretation_mode(monkeypatch):
     assert type(interpreted).__name__ == "InterpretedFunction"
     monkeypatch.delenv("TRITON_INTERPRET")
     assert isinstance(K.phase2_fwd_kernel(), triton.runtime.JITFunction)
+
+
+@pytest.mark.parametrize("mode", DEVICES, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_backward_saves_no_keys_or_per_block_intermediates(mode, dtype):
+    from attnres_dist.bench.saved_bytes import SavedTensorCounter
+
+    n, num_q, tokens = 9, 3, BATCH[0] * BATCH[1]
+    blocks, extra, queries, gains, _ = make_case(n, num_q, 1, dtype, mode, seed=1)
+    b, e, q, g = (t.clone().requires_grad_() for t in (blocks, extra, queries, gains))
+    with SavedTensorCounter() as counter:
+        out1, lse = phase1(b, q, g, eps=EPS)
+        outs = [phase2(out1[i], lse[i], e, q[i], g[i], eps=EPS) for i in range(num_q)]
+    # Beyond the inputs: phase 1's own outputs (float32 out1 and lse) and u = g * w; per
+    # sublayer, phase 2's merged log-sum-exp (one float per token) and its u.
+    f32 = 4
+    expected = f32 * (num_q * tokens * DIM + num_q * tokens + num_q * DIM)
+    expected += num_q * f32 * (tokens + DIM)
+    assert counter.extra_bytes([b, e, q, g]) == expected
+    assert max(s.numel for s in counter.saved) == n * tokens * DIM  # the store itself
+    assert len(outs) == num_q
