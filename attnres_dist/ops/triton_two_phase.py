@@ -19,6 +19,7 @@ computes the same weights (the diagnostics' path).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 from torch import Tensor
@@ -71,6 +72,12 @@ def _check_phase2(out1: Tensor, lse: Tensor, extra: Tensor, query: Tensor, weigh
     _check_device(extra)
 
 
+def _launch(kernel, grid, device: torch.device, *args, **meta) -> None:
+    # Triton launches on the current CUDA device: make it the tensors' one.
+    with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+        kernel[grid](*args, **meta)
+
+
 def _launch_groups(num_queries: int, tokens: int, dim: int):
     block_s, block_t, block_d = K.tile_sizes(num_queries, tokens, dim)
     warps = K.num_warps(block_s * block_t * block_d)
@@ -92,7 +99,7 @@ class _Phase1(torch.autograd.Function):
         groups, block_s, block_t, block_d, warps = _launch_groups(num_q, tokens, dim)
         grid = (triton_cdiv(tokens, block_t),)
         for s0, s1 in groups:
-            K.phase1_fwd_kernel()[grid](
+            _launch(K.phase1_fwd_kernel(), grid, store.device,
                 store, u[s0:s1], out1[s0:s1], lse[s0:s1], n, tokens, dim, s1 - s0, float(eps),
                 BLOCK_S=block_s, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
             )  # fmt: skip
@@ -123,7 +130,7 @@ class _Phase1(torch.autograd.Function):
         du = torch.empty(num_q, dim, dtype=torch.float32, device=store.device)
         for i, (s0, s1) in enumerate(groups):
             part = torch.empty(programs, s1 - s0, dim, dtype=torch.float32, device=store.device)
-            K.phase1_bwd_kernel()[(programs,)](
+            _launch(K.phase1_bwd_kernel(), (programs,), store.device,
                 store, u[s0:s1], out1[s0:s1], lse[s0:s1], g_out1[s0:s1], g_lse[s0:s1],
                 d_blocks, part, n, tokens, dim, s1 - s0, ctx.eps, tiles,
                 HAS_G_LSE=has_g_lse, ACCUMULATE=i > 0,
@@ -149,7 +156,7 @@ class _Phase2(torch.autograd.Function):
         out = torch.empty(tokens, dim, dtype=extra.dtype, device=extra.device)
         lse_tot = torch.empty(tokens, dtype=torch.float32, device=extra.device)
         _, block_t, block_d = K.tile_sizes(1, tokens, dim)
-        K.phase2_fwd_kernel()[(triton_cdiv(tokens, block_t),)](
+        _launch(K.phase2_fwd_kernel(), (triton_cdiv(tokens, block_t),), extra.device,
             o1, z, sources, u, out, lse_tot, m, tokens, dim, float(eps),
             BLOCK_T=block_t, BLOCK_D=block_d, num_warps=K.num_warps(block_t * block_d),
         )  # fmt: skip
@@ -173,7 +180,7 @@ class _Phase2(torch.autograd.Function):
         d_lse = torch.empty_like(z)
         d_extra = torch.empty_like(sources)
         part = torch.empty(programs, dim, dtype=torch.float32, device=o1.device)
-        K.phase2_bwd_kernel()[(programs,)](
+        _launch(K.phase2_bwd_kernel(), (programs,), o1.device,
             grad, o1, z, lse_tot, sources, u, d_out1, d_lse, d_extra, part,
             sources.shape[0], tokens, dim, ctx.eps, tiles,
             BLOCK_T=block_t, BLOCK_D=block_d, num_warps=K.num_warps(block_t * block_d),
