@@ -1,15 +1,20 @@
-"""Export a trained model to one safetensors file + ``config.json``; load it; sample text.
+"""Export a trained model; load it; sample text.
 
-    attnres-dist export runs/tiny --output exported/tiny
+    attnres-dist export runs/tiny --output exported/tiny                 (--format native)
+    attnres-dist export runs/tiny --format hf --output exported/tiny-hf  (Hugging Face)
     attnres-dist generate exported/tiny --prompt "def " --max-new-tokens 200
 
-An export holds the model only (no optimizer state): every parameter as a full tensor under
-its canonical (single-process) name, whatever pipeline/tensor layout wrote the checkpoint.
-``load_exported`` builds the single-process ``AttnResGPT`` from ``config.json`` and loads the
-weights with torch and Megatron-Core's layers only: no DeepSpeed, no checkpoint machinery, any
-machine. ``generate`` samples from it (temperature, top-k) and decodes with the tokenizer the
-model was trained with (bytes, or the ``tokenizer.json`` copied next to the weights). It
-recomputes the whole window for every token (no KV cache): the models trained here are small.
+An export holds the model only (no optimizer state), whatever pipeline/tensor layout wrote the
+checkpoint. ``native`` (the default): every parameter as a full tensor under its canonical
+(single-process) name plus this project's ``config.json``; ``load_exported`` builds the
+single-process ``AttnResGPT`` from it with torch and Megatron-Core's layers only (no
+DeepSpeed). ``hf``: a transformers directory (``attnres_dist/hf/writer.py``) that
+``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` loads.
+
+``generate`` reads either format into the Hugging Face model (``load_for_generation``; no
+Megatron-Core, no DeepSpeed) and samples with a KV cache (``attnres_dist/generation.py``:
+temperature, top-k, the training tokenizer); ``--no-kv-cache`` recomputes the whole window
+for every token instead, the reference the cache is tested against.
 """
 
 from __future__ import annotations
@@ -26,10 +31,33 @@ EXPORT_FORMAT = "attnres-dist-export/1"
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
+FORMATS = ("native", "hf")
 
 
-def export_checkpoint(source: str | Path, output: str | Path, warn=print) -> Path:
-    """Write ``output/model.safetensors`` and ``output/config.json`` from a checkpoint.
+def _check_target(fmt: str, output: str | Path) -> None:
+    if fmt not in FORMATS:
+        raise UserError("--format", f"got {fmt!r}; allowed: {', '.join(FORMATS)}")
+    if Path(output).exists() and not Path(output).is_dir():
+        raise UserError("--output", f"{output} is a file; give a directory to write the export to")
+
+
+def _checkpoint_tokenizer(ckpt) -> dict:
+    """The checkpoint's tokenizer record; a Hugging Face tokenizer file must still exist."""
+    tokenizer = dict(ckpt.manifest.get("tokenizer") or {"kind": "bytes", "vocab_size": 257})
+    path = tokenizer.get("path")
+    if tokenizer.get("kind") == "hf" and not (path and Path(path).is_file()):
+        raise UserError(
+            str(ckpt.path),
+            f"its tokenizer file {path} (data.tokenizer_path of the run) is gone; "
+            "put it back to export the model with its tokenizer",
+        )
+    return tokenizer
+
+
+def export_checkpoint(
+    source: str | Path, output: str | Path, warn=print, fmt: str = "native"
+) -> Path:
+    """Write the export of a checkpoint into ``output`` in format ``fmt`` (``FORMATS``).
 
     ``source``: a checkpoint, a directory of checkpoints or a run directory (newest intact).
     """
@@ -38,11 +66,14 @@ def export_checkpoint(source: str | Path, output: str | Path, warn=print) -> Pat
     from attnres_dist.checkpoint import store
     from attnres_dist.checkpoint.state import read_tensors
 
+    _check_target(fmt, output)
     ckpt = store.resolve(source, warn)
+    tokenizer = _checkpoint_tokenizer(ckpt)
     tensors = read_tensors(ckpt, "model/")
     output = Path(output)
+    if fmt == "hf":
+        return _export_hf(ckpt, tensors, tokenizer, output)
     output.mkdir(parents=True, exist_ok=True)
-    tokenizer = dict(ckpt.manifest.get("tokenizer") or {"kind": "bytes", "vocab_size": 257})
     tokenizer["file"] = None
     if tokenizer.get("kind") == "hf" and tokenizer.get("path"):
         shutil.copyfile(tokenizer["path"], output / TOKENIZER)
@@ -61,12 +92,41 @@ def export_checkpoint(source: str | Path, output: str | Path, warn=print) -> Pat
     return output
 
 
+def _export_hf(ckpt, tensors: dict, tokenizer: dict, output: Path) -> Path:
+    from attnres_dist.hf.writer import write_hf_export
+    from attnres_dist.train.config import config_from_dict
+
+    model = config_from_dict({"model": ckpt.config["model"]}).model
+    extra = {
+        "model": ckpt.config["model"],
+        "tokenizer": {k: tokenizer.get(k) for k in ("kind", "vocab_size", "eod")},
+        "step": ckpt.step,
+        "source": str(ckpt.path),
+    }
+    padded = int(ckpt.manifest["model"]["model.vocab_size (padded)"])
+    return write_hf_export(output, tensors, model, padded, tokenizer, extra)
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     from attnres_dist.checkpoint.store import write_bytes
 
     tmp = path.with_name(f".{path.name}.tmp")
     write_bytes(tmp, data)
     os.replace(tmp, path)
+
+
+def _read_config(directory: Path) -> dict:
+    """``config.json`` of an export of either format (one-line error for anything else)."""
+    if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
+        raise UserError(
+            str(directory), f"not an export (needs {CONFIG} and {WEIGHTS}); run attnres-dist export"
+        )
+    info = json.loads((directory / CONFIG).read_text())
+    if info.get("format") != EXPORT_FORMAT and info.get("model_type") != "attnres":
+        raise UserError(
+            str(directory / CONFIG), f"neither an {EXPORT_FORMAT} nor an attnres (hf) config"
+        )
+    return info
 
 
 def load_exported(directory: str | Path):
@@ -79,11 +139,7 @@ def load_exported(directory: str | Path):
     from attnres_dist.train.config import config_from_dict
 
     directory = Path(directory)
-    if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
-        raise UserError(
-            str(directory), f"not an export (needs {CONFIG} and {WEIGHTS}); run attnres-dist export"
-        )
-    info = json.loads((directory / CONFIG).read_text())
+    info = _read_config(directory)
     if info.get("format") != EXPORT_FORMAT:
         raise UserError(str(directory / CONFIG), f"not an {EXPORT_FORMAT} config")
     model_cfg = config_from_dict({"model": info["model"]}).model
@@ -110,6 +166,32 @@ def exported_tokenizer(directory: str | Path, info: dict):
     return build_tokenizer("bytes")
 
 
+def load_for_generation(directory: str | Path):
+    """(the Hugging Face ``AttnResForCausalLM`` in eval mode, the export's info dict with
+    ``model`` and ``tokenizer``) for an export of either format; torch + transformers only."""
+    import safetensors.torch
+
+    from attnres_dist.hf import writer
+    from attnres_dist.hf.modeling_attnres import AttnResForCausalLM
+    from attnres_dist.train.config import config_from_dict
+
+    directory = Path(directory)
+    info = _read_config(directory)
+    if info.get("model_type") == "attnres":
+        writer.quiet_transformers()
+        return AttnResForCausalLM.from_pretrained(directory).eval(), info["attnres_dist"]
+    tokenizer = exported_tokenizer(directory, info)
+    tensors = safetensors.torch.load_file(str(directory / WEIGHTS))
+    model_cfg = config_from_dict({"model": info["model"]}).model
+    vocab = int(info["tokenizer"].get("vocab_size") or tokenizer.vocab_size)
+    config = writer.hf_config(model_cfg, vocab, int(info["vocab_size"]), tokenizer.eod, info)
+    try:
+        model = writer.hf_model(tensors, config)
+    except KeyError as exc:
+        raise UserError(str(directory / WEIGHTS), f"{exc.args[0]} in {CONFIG}") from None
+    return model, info
+
+
 def generate(
     model,
     tokenizer,
@@ -119,42 +201,47 @@ def generate(
     top_k: int = 40,
     seed: int = 0,
     seq_length: int = 128,
+    kv_cache: bool = True,
 ) -> str:
     """Sample a continuation of ``prompt``; stops early at the end-of-document token.
 
-    The model sees at most the last ``seq_length`` tokens (its training window)."""
-    import torch
+    ``model``: the Hugging Face model (``load_for_generation``), decoded with a KV cache unless
+    ``kv_cache`` is False, or an ``AttnResGPT`` (``load_exported``), which recomputes the
+    window for every token. Either sees at most ``seq_length`` tokens (``generation.py``)."""
+    from attnres_dist import generation
 
     ids = tokenizer.encode(prompt) or [tokenizer.eod]  # an empty prompt starts a document
-    start = len(ids)
-    generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            tokens = torch.tensor([ids[-seq_length:]], dtype=torch.long, device=device)
-            logits = model(tokens)[-1, 0, : tokenizer.vocab_size].float()  # [s, b, v]: last
-            if temperature <= 0:
-                token = int(logits.argmax())
-            else:
-                logits = logits / temperature
-                if 0 < top_k < logits.numel():
-                    kth = torch.topk(logits, top_k).values[-1]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = logits.softmax(-1).cpu()
-                token = int(torch.multinomial(probs, 1, generator=generator))
-            if token == tokenizer.eod:
-                break
-            ids.append(token)
-    return tokenizer.decode(ids[start:])
+    if getattr(getattr(model, "config", None), "model_type", None) != "attnres":
+        next_logits = generation.RecomputeWindow(
+            generation.native_forward(model), seq_length, device
+        )
+    elif kv_cache:
+        next_logits = generation.CachedDecoder(model, seq_length)
+    else:
+        next_logits = generation.RecomputeWindow(generation.hf_forward(model), seq_length, device)
+    new = generation.sample(
+        next_logits,
+        ids,
+        tokenizer.vocab_size,
+        tokenizer.eod,
+        max_new_tokens,
+        temperature,
+        top_k,
+        seed,
+    )
+    return tokenizer.decode(new)
 
 
 # ------------------------------------------------------------------------------ commands
 
 
 def _export_cmd(args) -> int:
-    out = export_checkpoint(args.source, args.output, warn=lambda m: print(f"warning: {m}"))
+    warn = lambda m: print(f"warning: {m}")
+    out = export_checkpoint(args.source, args.output, warn=warn, fmt=args.format)
     info = json.loads((out / CONFIG).read_text())
-    print(f"exported step {info['step']} of {info['source']} to {out / WEIGHTS}")
+    info = info.get("attnres_dist", info)
+    print(f"exported step {info['step']} of {info['source']} to {out} ({args.format})")
     return 0
 
 
@@ -163,7 +250,7 @@ def _generate_cmd(args) -> int:
         raise UserError("--max-new-tokens", f"got {args.max_new_tokens}; must be >= 0")
     if args.top_k < 0:
         raise UserError("--top-k", f"got {args.top_k}; must be >= 0 (0 = no top-k)")
-    model, info = load_exported(args.directory)
+    model, info = load_for_generation(args.directory)
     tokenizer = exported_tokenizer(args.directory, info)
     text = generate(
         model,
@@ -174,22 +261,34 @@ def _generate_cmd(args) -> int:
         args.top_k,
         args.seed,
         seq_length=int(info["model"]["seq_length"]),
+        kv_cache=not args.no_kv_cache,
     )
     sys.stdout.write(args.prompt + text + "\n")
     return 0
 
 
 def add_parsers(sub) -> None:
-    export = sub.add_parser("export", help="write a checkpoint as model.safetensors + config.json")
+    export = sub.add_parser("export", help="write a checkpoint as a model directory")
     export.add_argument("source", help="a run directory, a directory of checkpoints or one")
     export.add_argument("--output", required=True, help="directory to write")
+    export.add_argument(
+        "--format",
+        default="native",
+        help="native (default: this project's safetensors + config.json) or hf (a Hugging "
+        "Face transformers directory: AutoModelForCausalLM with trust_remote_code)",
+    )
     export.set_defaults(func=_export_cmd)
 
     gen = sub.add_parser("generate", help="sample text from an exported model")
-    gen.add_argument("directory", help="an export written by attnres-dist export")
+    gen.add_argument("directory", help="an export written by attnres-dist export (any format)")
     gen.add_argument("--prompt", default="", help="text to continue (default: a new document)")
     gen.add_argument("--max-new-tokens", type=int, default=200)
     gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=40, help="0 = sample from all tokens")
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument(
+        "--no-kv-cache",
+        action="store_true",
+        help="recompute the whole window for every token (the slow reference)",
+    )
     gen.set_defaults(func=_generate_cmd)
