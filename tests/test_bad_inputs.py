@@ -1,8 +1,10 @@
 """Each row of docs/bad_inputs.md: the input gets exactly the documented one-line error, exit 2.
 
-``checkpoint`` rows name sample checkpoints as ``$CKPT/...``: ``checkpoint_samples`` writes
-them (small synthetic checkpoints in the real format) and ``$CKPT`` is replaced by their
-directory in the input and in the expected message.
+``checkpoint``, ``export`` and ``generate`` rows name sample checkpoints as ``$CKPT/...``:
+``checkpoint_samples`` writes them (small synthetic checkpoints in the real format) and
+``$CKPT`` is replaced by their directory in the input and in the expected message. ``export``
+and ``generate`` rows are the words after ``attnres-dist export`` / ``attnres-dist generate``;
+every other row's words follow ``attnres-dist train``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ def test_table_has_enough_rows():
     assert len(rows()) >= 25
 
 
-def _sample(root: Path, overrides: list[str]) -> Path:
+COMMANDS = ("export", "generate")  # kinds whose words follow their own subcommand
+
+
+def _sample(root: Path, overrides: list[str], **manifest) -> Path:
     """A committed checkpoint at step 10 for configs/tiny.yaml plus ``overrides``."""
     import safetensors.torch
     import torch
@@ -42,7 +47,7 @@ def _sample(root: Path, overrides: list[str]) -> Path:
     tensors = {"model/final.final_norm.weight": torch.ones(cfg.model.hidden_size)}
     info = store.write_bytes(tmp / "stage-000.safetensors", safetensors.torch.save(tensors))
     info["tensors"] = {key: list(t.shape) for key, t in tensors.items()}
-    body = {"config": cfg.to_dict(), "model": model_signature(cfg.model, 384)}
+    body = {"config": cfg.to_dict(), "model": model_signature(cfg.model, 384), **manifest}
     return store.commit(root, 10, {"stage-000.safetensors": info}, body)
 
 
@@ -63,6 +68,8 @@ def checkpoint_samples(tmp_path_factory) -> Path:
     manifest = _sample(root / "bad-manifest", []) / "manifest.json"
     manifest.write_text(manifest.read_text().replace('"step": 10', '"step": 11'))
     (root / "empty").mkdir()
+    gone = {"kind": "hf", "path": "/nonexistent/tokenizer.json", "vocab_size": 300, "eod": 0}
+    _sample(root / "hf-tokenizer-gone", [], tokenizer=gone)
     return root
 
 
@@ -76,7 +83,7 @@ def default_corpus():
 
 @pytest.mark.parametrize("kind, words, expected", rows(), ids=lambda v: str(v)[:48])
 def test_bad_input_gets_documented_error(kind, words, expected, monkeypatch, capsys, request):
-    if kind == "checkpoint":
+    if kind == "checkpoint" or kind in COMMANDS:
         samples = str(request.getfixturevalue("checkpoint_samples"))
         words, expected = words.replace("$CKPT", samples), expected.replace("$CKPT", samples)
     args = shlex.split(words)
@@ -84,9 +91,12 @@ def test_bad_input_gets_documented_error(kind, words, expected, monkeypatch, cap
         name, _, value = word.partition("=")
         monkeypatch.setenv(name, value)
         args.remove(word)
-    if not any(a.startswith("--config") for a in args):
-        args = ["--config=configs/tiny.yaml", *args]
-    code = main(["train", *args])
+    if kind in COMMANDS:
+        code = main([kind, *args])
+    else:
+        if not any(a.startswith("--config") for a in args):
+            args = ["--config=configs/tiny.yaml", *args]
+        code = main(["train", *args])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2, f"{kind} input {words!r} exited {code}"
     assert err == [expected]
