@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from attnres_dist.bench import depth_attention_bench, pipeline_bench
-from attnres_dist.bench.run import summary_markdown
+from attnres_dist.bench import depth_attention_bench, generation_bench, pipeline_bench
+from attnres_dist.bench.run import generation_rows, summary_markdown
 from tests.conftest import TINY_MODEL
 
 
@@ -35,3 +35,15 @@ def test_pipeline_bench_smoke(small_dataset, tmp_path):
     summary = summary_markdown(depth, result)
     assert "packed / tuple payload" in summary and "Block AttnRes / baseline" in summary
     assert "All equal the prediction." in summary
+
+
+def test_generation_bench_smoke(tmp_path):
+    """Quick mode: every path decodes the same greedy tokens; the summary shows the ratio."""
+    result = generation_bench.run(
+        tmp_path, prompt=8, new=4, reps=1, warmup=0, overrides=TINY_MODEL[:3]
+    )
+    assert (tmp_path / "generation.json").exists()
+    assert result["greedy_tokens_equal"]
+    assert all(v > 0 for v in result["tokens_per_s"].values())
+    rows = "\n".join(generation_rows(result))
+    assert "KV cache / recompute" in rows and "same greedy tokens" in rows

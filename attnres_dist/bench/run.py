@@ -1,8 +1,9 @@
 """``make bench``: run every benchmark and write ``DIR/summary.md`` with every ratio.
 
-Runs the depth-attention op benchmark (``depth_attention_bench``, in this process) and the
-pipeline benchmark (``pipeline_bench``, a 2-rank torchrun job); each writes its own JSON into
-``DIR``. The summary lists each ratio with what it compares, and the per-boundary bytes
+Runs the depth-attention op benchmark (``depth_attention_bench``, in this process), the
+pipeline benchmark (``pipeline_bench``, a 2-rank torchrun job) and the generation benchmark
+(``generation_bench``, in this process, last: it opens a one-process group); each writes its
+own JSON into ``DIR``. The summary lists each ratio with what it compares, and the per-boundary bytes
 predicted by the activation contract next to the bytes measured on the wire.
 
 Usage: ``python -m attnres_dist.bench.run --out DIR [--quick]``
@@ -13,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from attnres_dist.bench import depth_attention_bench, pipeline_bench
+from attnres_dist.bench import depth_attention_bench, generation_bench, pipeline_bench
 
 
 def _stage_ms(variants: dict, name: str, stage: int, kind: str = "backward") -> str:
@@ -21,7 +22,21 @@ def _stage_ms(variants: dict, name: str, stage: int, kind: str = "backward") -> 
     return f"{rows[0][f'{kind}_ms']:.1f}"
 
 
-def summary_markdown(depth: dict, pipe: dict) -> str:
+def generation_rows(gen: dict) -> list[str]:
+    c, t = gen["config"], gen["tokens_per_s"]
+    same = "same greedy tokens" if gen["greedy_tokens_equal"] else "**greedy tokens differ**"
+    return [
+        f"| generation tokens/s, KV cache / recompute | {gen['ratios']['cached_over_recompute']:.2f}"
+        f" | {c['new_tokens']} new tokens after a {c['prompt_tokens']}-token prompt, "
+        f"{c['model']}: {t['cached']:.0f} tokens/s cached vs {t['recompute']:.0f} recomputing "
+        f"the window (AttnResGPT); {same} |",
+        f"| generation tokens/s, KV cache / HF recompute | "
+        f"{gen['ratios']['cached_over_hf_recompute']:.2f} | the exported model with and "
+        f"without its cache ({t['hf_recompute']:.0f} tokens/s without) |",
+    ]
+
+
+def summary_markdown(depth: dict, pipe: dict, gen: dict | None = None) -> str:
     r, p = depth["ratios"], pipe["ratios"]
     v = pipe["variants"]
     ms = {name: x["step_s"]["median"] * 1e3 for name, x in v.items()}
@@ -53,6 +68,7 @@ def summary_markdown(depth: dict, pipe: dict) -> str:
         f"| pipeline step time, Block AttnRes / baseline | "
         f"{p['step_time_block_over_baseline']:.3f} | pp = 2: {ms['block_packed']:.1f} ms vs "
         f"{ms['baseline']:.1f} ms |",
+        *(generation_rows(gen) if gen is not None else []),
         "",
         "## Bytes per boundary and micro-batch: contract prediction vs DeepSpeed's wire",
         "",
@@ -97,10 +113,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         depth = depth_attention_bench.run(out, tokens=1024, dim=128, reps=3, warmup=1)
         pipe = pipeline_bench.run(out, reps=2, warmup=1)
+        gen = generation_bench.run(out, new=16, reps=1, warmup=0)
     else:
         depth = depth_attention_bench.run(out)
         pipe = pipeline_bench.run(out)
-    text = summary_markdown(depth, pipe)
+        gen = generation_bench.run(out)
+    text = summary_markdown(depth, pipe, gen)
     (out / "summary.md").write_text(text)
     print(text)
 

@@ -137,7 +137,9 @@ class AttnResDecoderLayer(nn.Module):
 
     def __init__(self, config: AttnResConfig, layer_idx: int):
         super().__init__()
-        self.config = config
+        self.baseline = config.attnres_mode == "baseline"
+        first = 2 * layer_idx + 1  # this layer's sublayers: attention, then MLP
+        self.closes = (closes_block(config, first), closes_block(config, first + 1))
         self.layer_idx = layer_idx
         self.input_layernorm = AttnResRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = AttnResAttention(config, layer_idx)
@@ -151,17 +153,17 @@ class AttnResDecoderLayer(nn.Module):
         completed, partial = state
         attention = lambda normed: self.self_attn(normed, cos, sin, mask, cache)
         steps = (
-            (2 * self.layer_idx + 1, self.input_layernorm, attention, "attn_mixer"),
-            (2 * self.layer_idx + 2, self.post_attention_layernorm, self.mlp, "mlp_mixer"),
+            (self.closes[0], self.input_layernorm, attention, "attn_mixer"),
+            (self.closes[1], self.post_attention_layernorm, self.mlp, "mlp_mixer"),
         )
-        for sublayer, norm, fn, mixer in steps:
-            if self.config.attnres_mode == "baseline":
+        for closes, norm, fn, mixer in steps:
+            if self.baseline:
                 partial = partial + fn(norm(partial))
                 continue
             sources = completed + ([partial] if partial is not None else [])
             out = fn(norm(getattr(self, mixer)(sources)))
             partial = out if partial is None else partial + out
-            if closes_block(self.config, sublayer):
+            if closes:
                 completed, partial = completed + [partial], None
         return completed, partial
 
