@@ -3,8 +3,8 @@
 Runs the depth-attention op benchmark (``depth_attention_bench``, in this process), the
 pipeline benchmark (``pipeline_bench``, a 2-rank torchrun job) and the generation benchmark
 (``generation_bench``, in this process, last: it opens a one-process group); each writes its
-own JSON into ``DIR``. The summary lists each ratio with what it compares, and the per-boundary bytes
-predicted by the activation contract next to the bytes measured on the wire.
+own JSON into ``DIR``. The summary lists each ratio with what it compares, and the
+per-boundary bytes predicted by the activation contract next to the bytes measured on the wire.
 
 Usage: ``python -m attnres_dist.bench.run --out DIR [--quick]``
 """
@@ -23,15 +23,15 @@ def _stage_ms(variants: dict, name: str, stage: int, kind: str = "backward") -> 
 
 
 def generation_rows(gen: dict) -> list[str]:
-    c, t = gen["config"], gen["tokens_per_s"]
+    c, t, r = gen["config"], gen["tokens_per_s"], gen["ratios"]
     same = "same greedy tokens" if gen["greedy_tokens_equal"] else "**greedy tokens differ**"
     return [
-        f"| generation tokens/s, KV cache / recompute | {gen['ratios']['cached_over_recompute']:.2f}"
-        f" | {c['new_tokens']} new tokens after a {c['prompt_tokens']}-token prompt, "
+        f"| generation tokens/s, KV cache / recompute | {r['cached_over_recompute']:.2f} | "
+        f"{c['new_tokens']} new tokens after a {c['prompt_tokens']}-token prompt, "
         f"{c['model']}: {t['cached']:.0f} tokens/s cached vs {t['recompute']:.0f} recomputing "
         f"the window (AttnResGPT); {same} |",
         f"| generation tokens/s, KV cache / HF recompute | "
-        f"{gen['ratios']['cached_over_hf_recompute']:.2f} | the exported model with and "
+        f"{r['cached_over_hf_recompute']:.2f} | the exported model with and "
         f"without its cache ({t['hf_recompute']:.0f} tokens/s without) |",
     ]
 
