@@ -168,6 +168,26 @@ def test_greedy_tokens_cached_recompute_and_transformers_generate(gqa_export):
     assert hf_tok.decode(ids[0, inputs["input_ids"].shape[1] :]) == old
 
 
+def test_left_padded_batch_equals_single_prompts(gqa_export):
+    """Padding masks and positions as transformers' generate() passes them: a left-padded
+    batch gives every prompt the logits and greedy tokens it gets alone."""
+    model, out = gqa_export
+    hf = load_hf(out)
+    prompts = [list(b"def f(x):"), list(b"import")]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[256] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        batch = hf(input_ids=ids, attention_mask=mask).logits
+        for row, p in enumerate(prompts):
+            alone = model(torch.tensor([p])).transpose(0, 1)[0, :, :257]
+            assert (batch[row, width - len(p) :] - alone).abs().max().item() <= TOL
+    kwargs = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 256}
+    together = hf.generate(input_ids=ids, attention_mask=mask, **kwargs)[:, width:].tolist()
+    single = [hf.generate(torch.tensor([p]), **kwargs)[0, len(p) :].tolist() for p in prompts]
+    assert together == single
+
+
 def test_cached_decoder_past_the_window_rereads_the_newest_half(gqa_export):
     """Window 32: once full, the cache restarts from the newest 16 ids (positions 0..15)."""
     model, out = gqa_export
