@@ -3,7 +3,7 @@
     attnres-dist train --config configs/tiny.yaml model.num_layers=12 parallel.pp=2
     attnres-dist prepare-data docs/*.txt --output data/mycorpus
     attnres-dist report runs/a runs/b --out runs/report   (plots + markdown summary)
-    attnres-dist export runs/tiny --output exported/tiny
+    attnres-dist export runs/tiny --output exported/tiny   (--format hf: Hugging Face)
     attnres-dist generate exported/tiny --prompt "def " --max-new-tokens 200
     attnres-dist profile --config configs/tiny.yaml --steps 5   (under torchrun, like train)
 
