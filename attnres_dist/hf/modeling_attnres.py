@@ -295,7 +295,9 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
         )
-        if logits_to_keep:
+        if isinstance(logits_to_keep, torch.Tensor):  # positions to keep
+            hidden = hidden[:, logits_to_keep]
+        elif logits_to_keep:  # the last N positions
             hidden = hidden[:, -logits_to_keep:]
         logits = self.lm_head(hidden)[..., : self.config.vocab_size]
         loss = None
