@@ -71,8 +71,11 @@ def run(
     warmup: int = 1,
     overrides: tuple[str, ...] = (),
 ) -> dict:
+    import torch.distributed as dist
+
     from attnres_dist.parallel.process_groups import shutdown_distributed
 
+    ours = not dist.is_initialized()  # close only the one-process group this run opens
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     cfg, native, hf = _models(prompt, new, overrides)
@@ -93,7 +96,8 @@ def run(
                     seconds[path].append(elapsed)
                 tokens[path] = out
     finally:
-        shutdown_distributed()
+        if ours:
+            shutdown_distributed()
         torch.set_num_threads(threads)
     median = {p: statistics.median(s) for p, s in seconds.items()}
     per_s = {p: new / median[p] for p in PATHS}
