@@ -253,8 +253,8 @@ def test_load_errors(tmp_path):
     )
     with pytest.raises(DataError, match="token id 256 but the model's vocab size is 100"):
         data.open_dataset(prefix, 8, 100)
-    with pytest.raises(DataError, match="too few for one window"):
-        data.open_dataset(prefix, 100_000, 257)
+    with pytest.raises(DataError, match="the train split has no sample of 100001 tokens"):
+        data.open_dataset(prefix, 100_000, 257, cache_dir=str(tmp_path))
     os.remove(prefix + "_valid.idx")
     with pytest.raises(DataError, match=r"ds_valid\.idx: file not found.*prepare-data"):
         data.open_dataset(prefix, 8, 257)
@@ -266,7 +266,7 @@ def test_empty_split_is_an_error(tmp_path):
     builder = mcore.IndexedDatasetBuilder(path + ".bin", dtype=np.uint16)
     builder.finalize(path + ".idx")
     with pytest.raises(DataError, match="the split is empty"):
-        data.TokenWindows(path, 8)
+        indexed.open_indexed(path)
     meta_file = tmp_path / "ds.meta.json"
     prefix = data.prepare_dataset(
         write_inputs(tmp_path, DOCS), str(tmp_path / "ds"), ByteTokenizer()
@@ -299,7 +299,7 @@ def test_default_corpus_builds_and_is_cached(corpus):
     assert data.ensure_default_corpus(str(cache)) == prefix
     assert time.perf_counter() - start < 2.0
     assert {f: os.stat(f).st_mtime_ns for f in indexed.dataset_files(prefix)} == stamps
-    train, valid, _ = data.open_dataset(prefix, 128, 257)
+    train, valid, _ = data.open_dataset(prefix, 128, 257, cache_dir=str(cache))
     assert len(valid) >= 1
     text = ByteTokenizer().decode(train.window(0))
     assert "import" in text or "def " in text or '"""' in text
@@ -336,68 +336,7 @@ def test_default_corpus_rebuilds_on_fingerprint_change_and_locks(tmp_path, monke
     assert indexed.read_metadata(results[0])["fingerprint"] != "stale"
 
 
-# -- windows and batches -----------------------------------------------------------------------
-
-
-@pytest.fixture()
-def small(tmp_path):
-    tok = ByteTokenizer()
-    prefix = data.prepare_dataset(
-        write_inputs(tmp_path, DOCS), str(tmp_path / "ds"), tok, valid_fraction=0.2
-    )
-    stream = np.concatenate([np.array(d) for d in read_docs(prefix, "train")])
-    return prefix, stream
-
-
-def test_windows_exact_content(small):
-    prefix, stream = small
-    seq = 16
-    win = data.TokenWindows(prefix + "_train", seq)
-    assert win.num_tokens == stream.size and len(win) == (stream.size - 1) // seq
-    for i in (0, 1, len(win) - 1):
-        w = win.window(i)
-        assert w.dtype == np.int64 and w.size == seq + 1
-        assert np.array_equal(w, stream[i * seq : i * seq + seq + 1])
-    with pytest.raises(IndexError):
-        win.window(len(win))
-    train, _, _ = data.open_dataset(prefix, seq, None)
-    assert np.array_equal(train.window(3), win.window(3))
-
-
-def test_global_batch_deterministic_and_epoch_wrap(small):
-    prefix, stream = small
-    seq, bs = 8, 7
-    win = data.TokenWindows(prefix + "_train", seq)
-    n = len(win)
-    assert n % bs != 0  # so a batch straddles the epoch boundary
-    steps = 2 * n // bs + 1
-    batches = [win.global_batch(s, bs, seed=3) for s in range(steps)]
-    assert all(b.dtype == torch.int64 and b.shape == (bs, seq + 1) for b in batches)
-    # A pure function: a fresh object, called out of order, gives the same batches.
-    other = data.TokenWindows(prefix + "_train", seq)
-    for s in reversed(range(steps)):
-        assert torch.equal(other.global_batch(s, bs, seed=3), batches[s])
-    assert not torch.equal(win.global_batch(0, bs, seed=4), batches[0])
-    rows = [tuple(r) for r in torch.cat(batches).tolist()]
-    every_window = sorted(tuple(win.window(i).tolist()) for i in range(n))
-    assert sorted(rows[:n]) == every_window  # epoch 0: every window exactly once
-    assert sorted(rows[n : 2 * n]) == every_window  # epoch 1: all again...
-    assert rows[:n] != rows[n : 2 * n]  # ...in another order
-
-
-def test_eval_batches(small, recwarn):
-    prefix, stream = small
-    win = data.TokenWindows(prefix + "_train", 8)
-    batches = win.eval_batches(2, 3)
-    assert len(batches) == 2 and all(b.shape == (3, 9) for b in batches)
-    for k, row in enumerate(torch.cat(batches)):
-        assert np.array_equal(row.numpy(), win.window(k))
-    capped = win.eval_batches(10_000, 4)
-    assert len(capped) == len(win) // 4 and any(
-        "evaluation batches fit" in str(w.message) for w in recwarn
-    )
-    with pytest.raises(DataError, match="fewer than one evaluation batch"):
-        win.eval_batches(1, len(win) + 1)
+# -- batches -----------------------------------------------------------------------------------
 
 
 def test_split_micro_batches_reconstructs_global_batch():

@@ -1,8 +1,8 @@
-"""Data: tokenizers, on-disk indexed datasets, the default stdlib corpus, and token windows.
+"""Data: tokenizers, on-disk indexed datasets, the default stdlib corpus, Megatron samples.
 
     prefix = ensure_default_corpus(".cache/data")      # or prepare_dataset(files, prefix, tok)
-    train, valid, meta = open_dataset(prefix, seq_length=256, vocab_size=257)
-    batch = train.global_batch(step, batch_size=16, seed=0)   # [16, 257] LongTensor
+    train, valid, meta = open_dataset(prefix, seq_length=256, vocab_size=257, seed=0)
+    batch = train.global_batch(step, batch_size=16)    # [16, 257] LongTensor
     micro = split_micro_batches(batch, micro_batch_size=4, dp_rank=0, dp_size=2)
 
 Names are resolved on first access, so ``from attnres_dist.data import prepare_cmd`` (done by
@@ -19,8 +19,8 @@ _EXPORTS = {
     "build_tokenizer": "tokenizer",
     "ensure_default_corpus": "stdlib_corpus",
     "prepare_dataset": "prepare",
-    "TokenWindows": "windows",
-    "open_dataset": "windows",
+    "Samples": "gpt_samples",
+    "open_dataset": "gpt_samples",
     "split_micro_batches": "windows",
 }
 

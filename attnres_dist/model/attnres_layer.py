@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from attnres_dist.model.block_plan import BlockPlan
 from attnres_dist.model.depth_state import DepthState
-from attnres_dist.model.sequence_context import sequence_context
+from attnres_dist.model.sequence_context import sequence_context, with_layout
 from attnres_dist.ops import get_depth_attention
 
 
@@ -102,12 +102,12 @@ class AttnResLayer(torch.nn.Module):
         if self.probe is not None:
             self.probe.sublayer(self, sublayer, state, out)
         if self.plan.mode == "baseline":
-            return DepthState((), x + out, state.layers_done)
+            return DepthState((), x + out, state.layers_done, state.layout)
         partial = out if state.partial is None else state.partial + out
         completed = state.completed
         if self.plan.closes_block(sublayer):
             completed, partial = completed + (partial,), None
-        return DepthState(completed, partial, state.layers_done)
+        return DepthState(completed, partial, state.layers_done, state.layout)
 
     def apply_layer(self, state: DepthState) -> DepthState:
         if state.layers_done != self.layer_index:
@@ -115,10 +115,11 @@ class AttnResLayer(torch.nn.Module):
                 f"layer {self.layer_index} got a depth state after {state.layers_done} layers"
             )
         ctx = sequence_context(self.layer.config, state.sources()[0], self.rotary_base)
+        ctx = with_layout(ctx, state.layout)
         first = 2 * self.layer_index + 1
         state = self._sublayer(state, first, ctx)
         state = self._sublayer(state, first + 1, ctx)
-        return DepthState(state.completed, state.partial, self.layer_index + 1)
+        return DepthState(state.completed, state.partial, self.layer_index + 1, state.layout)
 
     def forward(self, state: DepthState) -> DepthState:
         if state.layers_done > self.layer_index:
@@ -129,7 +130,9 @@ class AttnResLayer(torch.nn.Module):
         num_completed, has_partial = self.plan.state_after(2 * state.layers_done)
 
         def run_group(*tensors):
-            inner = DepthState.from_tensors(tensors, num_completed, has_partial, state.layers_done)
+            inner = DepthState.from_tensors(
+                tensors, num_completed, has_partial, state.layers_done, state.layout
+            )
             for layer in group:
                 inner = layer.apply_layer(inner)
             return inner.tensors()
@@ -137,7 +140,7 @@ class AttnResLayer(torch.nn.Module):
         outputs = checkpoint(run_group, *state.tensors(), use_reentrant=False)
         done = state.layers_done + len(group)
         completed, partial = self.plan.state_after(2 * done)
-        return DepthState.from_tensors(outputs, completed, partial, done)
+        return DepthState.from_tensors(outputs, completed, partial, done, state.layout)
 
 
 def configure_recompute(layers: list[AttnResLayer], mode: str, interval: int = 1) -> None:

@@ -5,6 +5,10 @@ partial block of the block being filled (or None right after a block closed), an
 transformer layers have been applied. It is created by the embedding for one micro-batch and
 dropped after the head: nothing survives between micro-batches, batches, or train and eval.
 
+With Megatron's document options the state also carries the micro-batch's ``DocumentLayout``
+(per-sample positions and attention mask, ``model/document_masks.py``); it is data, not a
+source, and every layer hands it on unchanged.
+
 Baseline mode uses the same container with no completed blocks and the running hidden state as
 the partial, so every layer speaks one interface.
 """
@@ -12,6 +16,7 @@ the partial, so every layer speaks one interface.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,6 +26,7 @@ class DepthState:
     completed: tuple[torch.Tensor, ...]
     partial: torch.Tensor | None
     layers_done: int = 0
+    layout: Any = None  # DocumentLayout or None (plain causal attention, positions 0 .. s-1)
 
     def sources(self) -> list[torch.Tensor]:
         """What the next depth attention reads: completed blocks, then the partial block."""
@@ -38,7 +44,7 @@ class DepthState:
 
     @staticmethod
     def from_tensors(
-        tensors, num_completed: int, has_partial: bool, layers_done: int
+        tensors, num_completed: int, has_partial: bool, layers_done: int, layout=None
     ) -> DepthState:
         tensors = tuple(tensors)
         if len(tensors) != num_completed + int(has_partial):
@@ -48,4 +54,4 @@ class DepthState:
             )
         partial = tensors[-1] if has_partial else None
         completed = tensors[:-1] if has_partial else tensors
-        return DepthState(completed, partial, layers_done)
+        return DepthState(completed, partial, layers_done, layout)

@@ -15,6 +15,7 @@ import torch
 from attnres_dist.model.attnres_layer import DepthMixer
 from attnres_dist.model.block_plan import BlockPlan
 from attnres_dist.model.depth_state import DepthState
+from attnres_dist.model.document_masks import DocumentOptions, document_layout
 
 
 def _final_norm(config):
@@ -42,8 +43,16 @@ def _lm_head(config, vocab_size: int, skip_weight: bool):
 
 
 class Embedding(torch.nn.Module):
-    def __init__(self, config, vocab_size: int, max_seq_length: int, plan: BlockPlan):
+    def __init__(
+        self,
+        config,
+        vocab_size: int,
+        max_seq_length: int,
+        plan: BlockPlan,
+        documents: DocumentOptions | None = None,
+    ):
         super().__init__()
+        self.documents = documents
         from megatron.core.models.common.embeddings.language_model_embedding import (
             LanguageModelEmbedding,
         )
@@ -63,9 +72,12 @@ class Embedding(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> DepthState:
         v0 = self.embedding(input_ids=tokens, position_ids=None)  # [s, b, h]
+        layout = None
+        if self.documents is not None and self.documents.per_sample:
+            layout = document_layout(tokens, self.documents)
         if self.plan.mode == "baseline":
-            return DepthState((), v0, 0)
-        return DepthState((v0,), None, 0)
+            return DepthState((), v0, 0, layout)
+        return DepthState((v0,), None, 0, layout)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head: vocabulary-sharded logits ``[s, b, v / tp]``."""
@@ -108,11 +120,20 @@ class OutputLayer(torch.nn.Module):
         return out
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy; ``logits`` ``[s, b, v/tp]``, ``labels`` ``[b, s]``."""
+def lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mean next-token cross entropy; ``logits`` ``[s, b, v/tp]``, ``labels`` ``[b, s]``.
+
+    With a ``loss_mask`` ``[b, s]`` it is Megatron's masked mean over the micro-batch,
+    ``sum(loss * mask) / sum(mask)`` (a micro-batch with nothing to predict gives 0).
+    """
     from megatron.core import tensor_parallel
 
     losses = tensor_parallel.vocab_parallel_cross_entropy(
         logits.float(), labels.transpose(0, 1).contiguous()
     )
-    return losses.mean()
+    if loss_mask is None:
+        return losses.mean()
+    mask = loss_mask.transpose(0, 1).to(losses.dtype)
+    return (losses * mask).sum() / mask.sum().clamp(min=1.0)

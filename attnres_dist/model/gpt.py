@@ -24,6 +24,7 @@ import torch
 from attnres_dist.model import megatron_compat
 from attnres_dist.model.attnres_layer import AttnResLayer, configure_recompute
 from attnres_dist.model.block_plan import BlockPlan
+from attnres_dist.model.document_masks import DocumentOptions, loss_mask
 from attnres_dist.model.embedding_head import Embedding, FinalAggregation, OutputLayer, lm_loss
 from attnres_dist.model.megatron_config import padded_vocab_size, transformer_config
 from attnres_dist.runtime import RuntimeChoice, kernels
@@ -51,8 +52,10 @@ class ModelBuilder:
         seed: int = 0,
         dtype=torch.float32,
         runtime: RuntimeChoice | None = None,
+        documents: DocumentOptions | None = None,
     ):
         megatron_compat.apply()
+        self.documents = documents  # Megatron's document options; None = plain causal samples
         self.runtime = runtime or RuntimeChoice.reference()
         self.model = model
         self.plan: BlockPlan = model.block_plan()
@@ -66,7 +69,9 @@ class ModelBuilder:
 
     def embedding(self) -> Embedding:
         with seeded(self.seed, "embedding"):
-            part = Embedding(self.config, self.vocab_size, self.model.seq_length, self.plan)
+            part = Embedding(
+                self.config, self.vocab_size, self.model.seq_length, self.plan, self.documents
+            )
         return kernels.autocast_part(part, self.runtime)
 
     def layer(self, index: int) -> AttnResLayer:
@@ -105,6 +110,7 @@ class AttnResGPT(torch.nn.Module):
         super().__init__()
         self.plan = builder.plan
         self.tie_embeddings = builder.model.tie_embeddings
+        self.documents = builder.documents
         self.embedding = builder.embedding()
         self.layers = torch.nn.ModuleList(builder.layer(i) for i in range(builder.model.num_layers))
         self.final = builder.final()
@@ -132,4 +138,5 @@ class AttnResGPT(torch.nn.Module):
     def loss(self, window: torch.Tensor) -> torch.Tensor:
         """Mean next-token loss of a token window batch ``[b, s + 1]``."""
         window = window.to(self.device)
-        return lm_loss(self(window[:, :-1]), window[:, 1:])
+        tokens = window[:, :-1]
+        return lm_loss(self(tokens), window[:, 1:], loss_mask(tokens, self.documents))

@@ -3,6 +3,8 @@
 They depend only on the sequence length, head size and device, never on the data, so each stage
 computes them locally (nothing about them crosses a pipeline boundary) and caches them.
 The mask is always explicit: Megatron's implicit default mask is built on ``device="cuda"``.
+With Megatron's document options (``model/document_masks.py``) ``with_layout`` replaces them by
+per-sample ones: a ``[b, 1, s, s]`` mask and the rotary angles of each token's position id.
 """
 
 from __future__ import annotations
@@ -15,8 +17,18 @@ import torch
 
 @dataclass(frozen=True)
 class SequenceContext:
-    attention_mask: torch.Tensor  # [1, 1, s, s] bool, True = masked (Megatron's convention)
-    rotary_pos_emb: torch.Tensor  # [s, 1, 1, head_dim]
+    attention_mask: torch.Tensor  # [1 or b, 1, s, s] bool, True = masked (Megatron's convention)
+    rotary_pos_emb: torch.Tensor  # [s, 1 or b, 1, head_dim]
+
+
+def with_layout(ctx: SequenceContext, layout) -> SequenceContext:
+    """``ctx`` with a ``DocumentLayout``'s per-sample positions (and mask, when it has one)."""
+    if layout is None:
+        return ctx
+    table = ctx.rotary_pos_emb[:, 0, 0, :]  # [s, d]: angles of positions 0 .. s-1
+    rotary = table[layout.position_ids].transpose(0, 1).unsqueeze(2)  # [s, b, 1, d]
+    mask = ctx.attention_mask if layout.attention_mask is None else layout.attention_mask
+    return SequenceContext(mask, rotary)
 
 
 def sequence_context(config, like: torch.Tensor, rotary_base: int) -> SequenceContext:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from attnres_dist.model.document_masks import loss_mask
 from attnres_dist.model.gpt import ModelBuilder
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import check_groups_agree
@@ -145,9 +146,14 @@ class PipelineEngine:
             group=_model_parallel_group(self.dims, self.rank),
         )
 
-    @staticmethod
-    def _iterator(micro_batches):
-        return iter([(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in micro_batches])
+    def _iterator(self, micro_batches):
+        documents = self.module.documents
+        batches = []
+        for w in micro_batches:
+            tokens, labels = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+            mask = loss_mask(tokens, documents)
+            batches.append((tokens, labels if mask is None else (labels, mask)))
+        return iter(batches)
 
     def train_step(self, micro_batches: list[torch.Tensor]) -> float:
         loss = self.engine.train_batch(data_iter=self._iterator(micro_batches))
@@ -165,7 +171,13 @@ class PipelineEngine:
 
     @property
     def last_grad_norm(self) -> float | None:
+        """The global gradient norm before clipping of the last step (None without clipping)."""
         return self.optimizer.last_grad_norm
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank computes (and where its collectives' tensors must live)."""
+        return torch.device(self.engine.device)
 
     def named_parameters(self):
         return self.module.named_parameters()

@@ -11,6 +11,12 @@ Inside a stage, parts pass a ``DepthState``; at the stage's edges this module ap
 activation contract: it unpacks the received ``[k, s, b, h]`` payload (checked against the
 block plan) before the first local part, and packs the state after the last one.
 
+With Megatron's per-sample document options (``reset_position_ids`` / ``reset_attention_mask``)
+a boundary carries ``(packed, tokens)``: the ``[b, s]`` input ids travel with the activations
+(DeepSpeed sends integer tensors without gradients) and each stage rebuilds the positions and
+the mask from them (``model/document_masks.py``). The loss mask reaches the last stage with the
+labels, as ``(labels, loss_mask)``.
+
 ``payload="tuple"`` sends the same tensors as a tuple instead of one packed tensor. It exists
 only so the benchmark can measure what packing buys (DESIGN.md section 3: DeepSpeed runs one
 backward traversal per tuple element); training always uses the packed default.
@@ -18,11 +24,14 @@ backward traversal per tuple element); training always uses the packed default.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from attnres_dist.model.attnres_layer import configure_recompute
 from attnres_dist.model.depth_state import DepthState
+from attnres_dist.model.document_masks import document_layout
 from attnres_dist.model.embedding_head import lm_loss
 from attnres_dist.model.gpt import ModelBuilder
 from attnres_dist.pipeline.contract import PayloadError, pack, unpack
@@ -70,7 +79,9 @@ class OutputPipe(torch.nn.Module):
         return self.output(hidden)
 
 
-def _loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _loss_fn(logits: torch.Tensor, labels) -> torch.Tensor:
+    if isinstance(labels, tuple | list):  # (labels, loss_mask)
+        return lm_loss(logits, labels[0], labels[1])
     return lm_loss(logits, labels)
 
 
@@ -114,6 +125,7 @@ class AttnResPipelineModule(PipelineModule):
         self.payload = payload
         self._fixed_parts = list(parts)
         self.plan = builder.plan
+        self.documents = builder.documents
         super().__init__(
             layers=layer_specs(builder),
             topology=topology,
@@ -144,19 +156,32 @@ class AttnResPipelineModule(PipelineModule):
         """Model-part indices [start, stop) owned by this stage."""
         return self._local_start, self._local_stop
 
+    @property
+    def carries_tokens(self) -> bool:
+        return self.documents is not None and self.documents.per_sample
+
     def forward(self, forward_input):
         start = self._local_start
         if 1 <= start <= self.plan.num_layers + 1:  # this stage starts with a layer or final
             layers_done = start - 1
             boundary = f"boundary into stage {self.stage_id} (after {layers_done} layers)"
+            tokens = None
+            if self.carries_tokens:
+                forward_input, tokens = forward_input
             if self.payload == "tuple":
                 forward_input = self._unpack_tuple(forward_input, layers_done, boundary)
             else:
                 forward_input = unpack(forward_input, self.plan, layers_done, boundary)
+            if tokens is not None:
+                layout = document_layout(tokens, self.documents)
+                forward_input = dataclasses.replace(forward_input, layout=layout)
         out = super().forward(forward_input)
         if not isinstance(out, DepthState):
             return out
-        return out.tensors() if self.payload == "tuple" else pack(out)
+        sent = out.tensors() if self.payload == "tuple" else pack(out)
+        if self.carries_tokens:
+            return (sent, out.layout.tokens)
+        return sent
 
     def _unpack_tuple(self, received, layers_done: int, boundary: str) -> DepthState:
         completed, has_partial = self.plan.state_after(2 * layers_done)

@@ -59,6 +59,15 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     path: str | None = None  # dataset prefix from prepare-data; None = embedded stdlib corpus
+    # a weighted blend, as Megatron's --data-path: [w1, prefix1, w2, prefix2] or [{path, weight}]
+    paths: list[Any] | None = None
+    # Megatron's train,valid,test split string ("969,30,1"): the prefixes are then plain
+    # indexed datasets (PREFIX.bin/.idx) split by document; None = prepare-data's own splits
+    split: str | None = None
+    # Megatron's document options (EOD-separated documents inside a sample)
+    reset_position_ids: bool = False  # positions restart at 0 after every EOD
+    reset_attention_mask: bool = False  # tokens attend only within their own document
+    eod_mask_loss: bool = False  # no loss on predictions made at an EOD token
     tokenizer: str = "bytes"  # bytes | hf
     tokenizer_path: str | None = None  # tokenizer.json, for tokenizer: hf
     cache_dir: str = ".cache/data"
@@ -86,6 +95,8 @@ class TrainConfig:
     eval_batches: int = 8
     log_every: int = 10
     progress: bool = True
+    # peak TFLOP/s of one device, for model FLOPs utilisation; None = known GPUs only
+    peak_tflops: float | None = None
 
 
 @dataclass
@@ -120,6 +131,7 @@ class RuntimeConfig:
 class OutputConfig:
     run_dir: str = "runs/default"
     tensorboard: bool = True
+    wandb: str | None = None  # Weights & Biases project (needs wandb installed); None = off
 
 
 @dataclass
@@ -232,6 +244,8 @@ def _build(cls, raw: Any, prefix: str):
 
 
 def _coerce(tp, value, where: str):
+    if tp is Any:  # checked by the field's own rule (config_rules)
+        return value
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where + ".")
     origin = typing.get_origin(tp)

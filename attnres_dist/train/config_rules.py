@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from attnres_dist.data.blend import parse_blend, parse_split
 from attnres_dist.errors import ConfigError
 from attnres_dist.model.block_plan import MODES
 
@@ -77,6 +78,20 @@ def validate(cfg: Config) -> None:
         "data.tokenizer_path",
         "is required with data.tokenizer: hf (path to a tokenizer.json)",
     )
+    _require(
+        not (d.path and d.paths),
+        "data.paths",
+        "is set together with data.path; give one dataset in data.path or a blend in data.paths",
+    )
+    if d.paths is not None:
+        parse_blend(d.paths)
+    if d.split is not None:
+        parse_split(d.split)
+    _require(
+        d.split is None or bool(d.path or d.paths),
+        "data.split",
+        "needs data.path or data.paths naming Megatron indexed datasets (PREFIX.bin/.idx)",
+    )
 
     _require(t.steps >= 1, "train.steps", f"got {t.steps}; must be >= 1")
     _require(t.micro_batch_size >= 1, "train.micro_batch_size", f"got {t.micro_batch_size}")
@@ -90,6 +105,16 @@ def validate(cfg: Config) -> None:
     _require(t.eval_every >= 0, "train.eval_every", f"got {t.eval_every}; must be >= 0 (0 = off)")
     _require(t.eval_batches >= 1, "train.eval_batches", f"got {t.eval_batches}; must be >= 1")
     _require(t.log_every >= 1, "train.log_every", f"got {t.log_every}; must be >= 1")
+    _require(
+        t.peak_tflops is None or 0 < t.peak_tflops < float("inf"),
+        "train.peak_tflops",
+        f"got {t.peak_tflops}; must be > 0 (one device's peak TFLOP/s) or null",
+    )
+    _require(
+        cfg.output.wandb is None or cfg.output.wandb.strip() != "",
+        "output.wandb",
+        "is empty; use null (off) or a Weights & Biases project name",
+    )
 
     _require(o.lr > 0, "optim.lr", f"got {o.lr}; must be > 0")
     _require(0 <= o.min_lr <= o.lr, "optim.min_lr", f"got {o.min_lr}; must be in [0, optim.lr]")

@@ -31,7 +31,10 @@ class LocalEngine:
             total += loss.item()
         if self.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-            self.last_grad_norm = float(norm)
+        else:  # not clipped, but still logged
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads)
+        self.last_grad_norm = float(norm)
         self.optimizer.step()
         self.scheduler.step()
         return total / len(micro_batches)
@@ -41,6 +44,10 @@ class LocalEngine:
         self.model.eval()
         losses = [self.model.loss(window).item() for window in batches]
         return sum(losses) / len(losses)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
 
     @property
     def lr(self) -> float:

@@ -1,7 +1,9 @@
-"""Where a run's numbers go: JSONL lines, TensorBoard events and a progress bar.
+"""Where a run's numbers go: JSONL lines, TensorBoard events, Weights & Biases, a progress bar.
 
-Only the rank that owns the loss (the last pipeline stage's first data/tensor rank) writes;
-the others get a writer that does nothing, so call sites need no rank checks.
+Only the logging rank (global rank 0) writes; the others get a writer that does nothing, so
+call sites need no rank checks. Weights & Biases is used when ``output.wandb`` names a project
+(``check_wandb`` refuses the run before it starts when the package is missing); its mode
+(online, offline) is W&B's own ``WANDB_MODE``.
 """
 
 from __future__ import annotations
@@ -9,6 +11,22 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+
+from attnres_dist.errors import ConfigError
+
+
+def check_wandb(project: str | None) -> None:
+    """Refuse ``output.wandb`` when the wandb package is not importable."""
+    if project is None:
+        return
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "output.wandb",
+            f"is {project!r} but wandb is not installed; "
+            "pip install wandb, or set output.wandb=null",
+        ) from None
 
 
 class MetricsWriter:
@@ -19,11 +37,14 @@ class MetricsWriter:
         tensorboard: bool = True,
         progress: bool = True,
         enabled: bool = True,
+        wandb_project: str | None = None,
+        config: dict | None = None,
     ):
         self.enabled = enabled
         self.start = time.perf_counter()
         self._tb = None
         self._bar = None
+        self._wandb = None
         if not enabled:
             return
         self.run_dir = Path(run_dir)
@@ -33,6 +54,16 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        if wandb_project is not None:
+            import wandb
+
+            self._wandb = wandb.init(
+                project=wandb_project,
+                name=self.run_dir.name,
+                dir=str(self.run_dir),
+                config=config,
+                resume="allow",
+            )
         if progress:
             from tqdm import tqdm
 
@@ -44,10 +75,16 @@ class MetricsWriter:
         record = {"step": step, "kind": kind, "time_s": round(time.perf_counter() - self.start, 3)}
         record.update(values)
         self._jsonl.write(json.dumps(record) + "\n")
+        scalars = {
+            f"{kind}/{key}": value
+            for key, value in values.items()
+            if isinstance(value, int | float) and not isinstance(value, bool)
+        }
         if self._tb is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)):
-                    self._tb.add_scalar(f"{kind}/{key}", value, step)
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None and scalars:
+            self._wandb.log(scalars, step=step)
 
     def progress(self, step: int, **postfix) -> None:
         if self._bar is not None:
@@ -69,4 +106,6 @@ class MetricsWriter:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
         self._jsonl.close()

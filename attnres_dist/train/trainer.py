@@ -1,8 +1,10 @@
 """The Trainer: build everything a run needs from its Config, then train.
 
-``Trainer(cfg).train()`` starts the process groups, opens the dataset (building the embedded
-default corpus on first use), builds the model parts and the engine, and runs the loop:
-deterministic global batches, one optimizer step each, periodic validation, metrics. A world of
+``Trainer(cfg).train()`` opens the data (building the embedded default corpus on first use;
+samples come from megatron-core's GPTDataset, ``data/gpt_samples.py``), starts the process
+groups, builds the model parts and the engine, and runs the loop: deterministic global batches,
+one optimizer step each, periodic validation, and per logged step the loss, learning rate,
+gradient norm (before clipping), tokens/s, MFU and every rank's peak memory. A world of
 one process runs the plain-PyTorch reference engine; anything larger runs the DeepSpeed pipeline
 engine over the same parts. Both see exactly the same data at every step.
 
@@ -24,23 +26,61 @@ import torch.distributed as dist
 from attnres_dist import data as data_lib
 from attnres_dist.checkpoint import faults
 from attnres_dist.checkpoint.manager import Checkpointing
+from attnres_dist.data.gpt_samples import open_samples, plan_data
 from attnres_dist.diagnostics.collector import Diagnostics
 from attnres_dist.errors import ConfigError
+from attnres_dist.model.document_masks import DocumentOptions
 from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
 from attnres_dist.runtime import select_runtime
 from attnres_dist.train.config import Config
 from attnres_dist.train.guards import check_finite_loss
-from attnres_dist.train.metrics import MetricsWriter
+from attnres_dist.train.metrics import MetricsWriter, check_wandb
+from attnres_dist.train.signals import StepSignals
+
+
+def check_vocab(plan, vocab_size: int) -> None:
+    """Refuse a model whose embedding table cannot hold every token id in the data."""
+    meta = plan.meta
+    if plan.split is None:
+        for prefix in plan.blend.prefixes:
+            data_lib.indexed.check_vocab(prefix, data_lib.indexed.read_metadata(prefix), vocab_size)
+    elif int(meta["max_token_id"]) >= vocab_size:
+        raise ConfigError(
+            "model.vocab_size",
+            f"got {vocab_size}; the data has token id {meta['max_token_id']}: set it to at "
+            f"least {int(meta['max_token_id']) + 1}",
+        )
 
 
 def resolve_dataset(cfg: Config):
-    """(train windows, valid windows, metadata) for the configured or the default dataset."""
-    prefix = cfg.data.path
-    if prefix is None:
-        prefix = data_lib.ensure_default_corpus(cfg.data.cache_dir)
-    return data_lib.open_dataset(prefix, cfg.model.seq_length, cfg.model.vocab_size)
+    """(train samples, valid samples, test samples or None, metadata) of the configured data,
+    or of the default corpus."""
+    d, t = cfg.data, cfg.train
+    default = None
+    if not (d.path or d.paths):
+        default = data_lib.ensure_default_corpus(d.cache_dir)
+    plan = plan_data(d, default)
+    check_vocab(plan, cfg.model.vocab_size or int(plan.meta["vocab_size"]))
+    train, valid, test = open_samples(
+        plan,
+        cfg.model.seq_length,
+        t.seed,
+        train_samples=t.steps * t.global_batch_size,
+        eval_samples=t.eval_batches * t.micro_batch_size,
+        cache_dir=d.cache_dir,
+    )
+    return train, valid, test, plan.meta
+
+
+def document_options(cfg: Config, meta: dict) -> DocumentOptions | None:
+    d = cfg.data
+    if not (d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss):
+        return None
+    return DocumentOptions(
+        int(meta["eod"]), d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss
+    )
 
 
 def model_vocab_size(cfg: Config, meta: dict) -> int:
@@ -58,7 +98,8 @@ class Trainer:
         self.cfg = cfg
         self.dims = ParallelDims(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp)
         # all input checks (data, vocabulary, world size) run before any process group starts
-        self.train_data, self.valid_data, self.meta = resolve_dataset(cfg)
+        check_wandb(cfg.output.wandb)
+        self.train_data, self.valid_data, self.test_data, self.meta = resolve_dataset(cfg)
         vocab = model_vocab_size(cfg, self.meta)
         self.runtime = select_runtime(cfg.runtime)  # fast paths; refusals are ConfigErrors
         # so does choosing the checkpoint to resume: missing, damaged or foreign ones are bad input
@@ -66,7 +107,12 @@ class Trainer:
         self.launch = init_distributed(self.dims, cfg.parallel.timeout_s, cfg.train.seed)
         torch.manual_seed(cfg.train.seed)
         self.builder = ModelBuilder(
-            cfg.model, vocab, tp=self.dims.tp, seed=cfg.train.seed, runtime=self.runtime
+            cfg.model,
+            vocab,
+            tp=self.dims.tp,
+            seed=cfg.train.seed,
+            runtime=self.runtime,
+            documents=document_options(cfg, self.meta),
         )
         self.engine = self._build_engine()
         self.start_step, self.resume_note = self.checkpoints.restore(
@@ -80,6 +126,15 @@ class Trainer:
             tensorboard=cfg.output.tensorboard,
             progress=cfg.train.progress,
             enabled=self.is_logger,
+            wandb_project=cfg.output.wandb,
+            config=cfg.to_dict(),
+        )
+        self.signals = StepSignals(
+            cfg.model,
+            self.builder.vocab_size,
+            self.dims.world_size,
+            self.engine.device,
+            cfg.train.peak_tflops,
         )
         self.diagnostics = Diagnostics.for_run(cfg, self.engine, self.dims, self.launch.rank)
 
@@ -101,20 +156,24 @@ class Trainer:
     def micro_batches(self, step: int) -> list[torch.Tensor]:
         """This data-parallel rank's micro-batches of global batch ``step``."""
         t = self.cfg.train
-        batch = self.train_data.global_batch(step, t.global_batch_size, t.seed)
+        batch = self.train_data.global_batch(step, t.global_batch_size)
         dp_rank = self.dims.coords(self.launch.rank)[1]
         return data_lib.split_micro_batches(batch, t.micro_batch_size, dp_rank, self.dims.dp)
 
-    def eval_batches(self) -> list[torch.Tensor]:
+    def eval_batches(self, samples=None) -> list[torch.Tensor]:
         t = self.cfg.train
-        return self.valid_data.eval_batches(t.eval_batches, t.micro_batch_size)
+        samples = self.valid_data if samples is None else samples
+        return samples.eval_batches(t.eval_batches, t.micro_batch_size)
 
     # -- loop ------------------------------------------------------------------------------
 
-    def evaluate(self, step: int) -> float:
-        loss = self.engine.eval_loss(self.eval_batches())
-        self.metrics.log(step, "valid", loss=loss, ppl=math.exp(min(loss, 50.0)))
-        self.metrics.message(f"step {step}: validation loss {loss:.4f} (ppl {math.exp(loss):.3f})")
+    def evaluate(self, step: int, split: str = "valid") -> float:
+        samples = self.test_data if split == "test" else self.valid_data
+        loss = self.engine.eval_loss(self.eval_batches(samples))
+        ppl = math.exp(min(loss, 50.0))
+        self.metrics.log(step, split, loss=loss, ppl=ppl)
+        name = "validation" if split == "valid" else split
+        self.metrics.message(f"step {step}: {name} loss {loss:.4f} (ppl {ppl:.3f})")
         return loss
 
     def train(self) -> dict:
@@ -123,7 +182,8 @@ class Trainer:
         self.metrics.message(self.runtime.describe())
         self.metrics.message(
             f"{self.builder.plan.describe()}; {self.dims.describe()}; "
-            f"{self.num_parameters():,} parameters; {len(self.train_data):,} train windows"
+            f"{self.num_parameters():,} parameters; {len(self.train_data):,} train samples; "
+            f"{self.signals.flops.total / 1e6:.2f} MFLOPs per token"
         )
         tokens_per_step = t.global_batch_size * cfg.model.seq_length
         start = time.perf_counter()
@@ -147,10 +207,14 @@ class Trainer:
             window_tokens += tokens_per_step
             if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
                 now = time.perf_counter()
-                tps = window_tokens / max(now - window_start, 1e-9)
+                signals = self.signals.record(window_tokens, now - window_start)  # collective
                 window_start, window_tokens = now, 0
-                self.metrics.log(step + 1, "train", loss=loss, lr=self.engine.lr, tokens_per_s=tps)
-                self.metrics.progress(step + 1, loss=loss, tok_s=tps)
+                norm = self.engine.last_grad_norm
+                self.metrics.log(
+                    step + 1, "train", loss=loss, lr=self.engine.lr, grad_norm=norm, **signals
+                )
+                shown = {"loss": loss, "gnorm": norm, "tok_s": signals["tokens_per_s"]}
+                self.metrics.progress(step + 1, **{k: v for k, v in shown.items() if v is not None})
             if self.checkpoints.due(step + 1, t.steps):
                 path = self.checkpoints.save(step + 1, self.engine, self.dims, rank)
                 self.metrics.log(step + 1, "checkpoint", path=str(path))
@@ -158,6 +222,7 @@ class Trainer:
             if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 != t.steps:
                 self.evaluate(step + 1)
         valid_loss = self.evaluate(t.steps)
+        test_loss = self.evaluate(t.steps, "test") if self.test_data is not None else None
         wall = time.perf_counter() - start
         summary = {
             "steps": t.steps,
@@ -165,6 +230,7 @@ class Trainer:
             "final_train_loss": losses[-1] if losses else None,
             "final_valid_loss": valid_loss,
             "final_valid_ppl": math.exp(min(valid_loss, 50.0)),
+            "final_test_loss": test_loss,
             "wall_time_s": round(wall, 2),
             "tokens_per_s": round(tokens_per_step * (t.steps - self.start_step) / wall, 1),
             "train_losses": losses,
