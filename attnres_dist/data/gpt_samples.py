@@ -116,6 +116,13 @@ class DataPlan:
 
 
 def _raw_meta(prefix: str, tokenizer) -> dict:
+    for ext in (".bin", ".idx"):
+        if not os.path.isfile(prefix + ext):
+            raise DataError(
+                prefix + ext,
+                "file not found; with data.split each prefix names one Megatron indexed dataset "
+                "(PREFIX.bin and PREFIX.idx)",
+            )
     dataset = indexed.open_indexed(prefix)
     top = 0
     stream = np.memmap(prefix + ".bin", dtype=np.dtype(dataset.index.dtype), mode="r")
