@@ -171,3 +171,33 @@ def test_blend_needs_one_tokenizer_and_every_prefix(tmp_path):
         plan_data(DataConfig(paths=[1, a, 1, other]))
     with pytest.raises(DataError, match=r"raw\.bin: file not found"):
         plan_data(DataConfig(path=str(tmp_path / "raw"), split="9,1"))
+
+
+def test_resume_of_a_blend_with_document_options_is_exact(small_dataset, tmp_path):
+    """Stopped after step 2 and resumed == uninterrupted, bitwise, on a weighted blend with
+    Megatron's document options: the data position is the step, nothing else."""
+    from attnres_dist.checkpoint import store
+    from tests.test_checkpoint import RESUME_AT, args_for, final_state, train
+
+    other = prepared(tmp_path / "other", base=40, train_docs=200, valid_docs=20)
+    extra = {
+        "data.reset_attention_mask": True,
+        "data.reset_position_ids": True,
+        "data.eod_mask_loss": True,
+        "data.cache_dir": str(tmp_path / "cache"),
+    }
+
+    def args(run_dir, **more):
+        words = args_for(small_dataset, run_dir, **extra, **more)
+        blend = f"data.paths=[2,{small_dataset},1,{other}]"
+        return [blend if w.startswith("data.path=") else w for w in words]
+
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "resumed"
+    ref = train(ref_dir, args(ref_dir), 1)
+    start = str(ref_dir / "checkpoints" / store.step_name(RESUME_AT))
+    resumed = train(run_dir, args(run_dir, **{"checkpoint.resume": start}), 1)
+    assert resumed["start_step"] == RESUME_AT
+    assert resumed["train_losses"] == ref["train_losses"][RESUME_AT:]
+    assert resumed["final_valid_loss"] == ref["final_valid_loss"]
+    ours, theirs = final_state(run_dir), final_state(ref_dir)
+    assert all(torch.equal(ours[k], v) for k, v in theirs.items()) and ours.keys() == theirs.keys()

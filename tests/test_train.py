@@ -38,6 +38,7 @@ def test_default_config_trains_as_a_pipeline(tmp_path):
             "configs/tiny.yaml",
             *FAST,
             f"output.run_dir={run_dir}",
+            "train.peak_tflops=0.5",
         ],
         nproc=2,
     )
@@ -47,7 +48,11 @@ def test_default_config_trains_as_a_pipeline(tmp_path):
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4]
     assert [r["step"] for r in records if r["kind"] == "valid"] == [2, 4]
-    assert all(r["tokens_per_s"] > 0 for r in records if r["kind"] == "train")
+    train = [r for r in records if r["kind"] == "train"]
+    assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in train)
+    assert all(r["grad_norm"] > 0 and r["lr"] > 0 for r in train)
+    assert all(len(r["peak_memory_mb_per_rank"]) == 2 for r in train)  # gathered from both
+    assert all(r["peak_memory_mb"] == max(r["peak_memory_mb_per_rank"]) > 0 for r in train)
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert load_config(run_dir / "config.yaml").parallel.pp == 2
 
