@@ -61,7 +61,7 @@ class StepSignals:
         out = {
             "tokens_per_s": tps,
             "model_tflops_per_s": self.flops.total * tps / 1e12,
-            "peak_memory_mb": max(peaks) / 2**20,
+            "peak_memory_mb": round(max(peaks) / 2**20, 1),
             "peak_memory_mb_per_rank": [round(p / 2**20, 1) for p in peaks],
         }
         if self.peak_tflops is not None:
