@@ -160,6 +160,18 @@ def short_docs(tmp_path_factory) -> str:
     )
 
 
+def single_process(args: list[str]) -> dict:
+    """The reference run in this process (as ``tests/workers/train_case.py`` does it)."""
+    from attnres_dist.train.config import load_config
+    from attnres_dist.train.trainer import Trainer
+    from tests.test_checkpoint import in_process
+
+    with in_process():
+        trainer = Trainer(load_config(None, args))
+        summary = trainer.train()
+        return {"losses": summary["train_losses"], "params": trainer.engine.full_state()}
+
+
 @pytest.mark.slow
 def test_document_options_through_the_pipeline(short_docs, tmp_path):
     flags = {
@@ -168,13 +180,9 @@ def test_document_options_through_the_pipeline(short_docs, tmp_path):
         "data.eod_mask_loss": True,
         "data.cache_dir": str(tmp_path / "cache"),
     }
-    ref = train_case(
-        tmp_path, "ref", overrides(short_docs, "block", str(tmp_path / "r"), **flags), 1
-    )
     cache = {"data.cache_dir": flags["data.cache_dir"]}
-    off = train_case(
-        tmp_path, "off", overrides(short_docs, "block", str(tmp_path / "o"), **cache), 1
-    )
+    ref = single_process(overrides(short_docs, "block", str(tmp_path / "r"), **flags))
+    off = single_process(overrides(short_docs, "block", str(tmp_path / "o"), **cache))
     assert abs(off["losses"][0] - ref["losses"][0]) > 1e-3  # the options change training
     pipelined = overrides(
         short_docs, "block", str(tmp_path / "p"), pp=2, **flags, **{"parallel.recompute": "full"}

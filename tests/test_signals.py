@@ -2,9 +2,9 @@
 
 ``FlopCounterMode`` counts matrix products (mm, bmm, baddbmm) in forward and backward; the
 formula's matmul part must equal its count exactly. The depth attention is elementwise work in
-the model (not counted), so its term is checked against the count of a formulation of
-the same products (as matmuls): per source, an ``h``-long dot product for the logit and a multiply-add per
-element for the mix. On these tiny models the depth term is 1.7-2.4% of the total: the
+the model (not counted), so its term is checked against the count of the same products written
+as matmuls: per source, an ``h``-long dot product for the logit and a multiply-add per element
+for the mix. On these tiny models the depth term is 1.7-2.4% of the total: the
 tolerance a count of the model alone would need.
 """
 
