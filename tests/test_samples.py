@@ -179,7 +179,7 @@ def test_resume_of_a_blend_with_document_options_is_exact(small_dataset, tmp_pat
     from attnres_dist.checkpoint import store
     from tests.test_checkpoint import RESUME_AT, args_for, final_state, train
 
-    other = prepared(tmp_path / "other", base=40, train_docs=200, valid_docs=20)
+    other = prepared(tmp_path / "other", base=20, train_docs=100, valid_docs=20)
     extra = {
         "data.reset_attention_mask": True,
         "data.reset_position_ids": True,
