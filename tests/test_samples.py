@@ -117,7 +117,8 @@ def test_split_string_splits_one_indexed_dataset_by_document(tmp_path):
     ]
     assert seen[0] <= set(range(35)) and seen[1] <= set(range(35, 45))
     assert seen[2] <= set(range(45, 50)) and all(seen)
-    _, _, none = open_samples(plan_data(DataConfig(path=prefix, split="9,1")), SEQ, 0, 40, 4, "c")
+    no_test = plan_data(DataConfig(path=prefix, split="9,1"))
+    _, _, none = open_samples(no_test, SEQ, 0, 40, 4, str(tmp_path))
     assert none is None  # no test share, no test split
 
 
