@@ -119,6 +119,18 @@ def _quantiles(samples: list[float]) -> dict:
     return {"median": statistics.median(samples), "p90": p90, "samples": samples}
 
 
+def slowest_rank_seconds(seconds: float) -> float:
+    """The largest of every rank's ``seconds`` (collective): a step's time is its slowest rank's."""
+    import torch
+    import torch.distributed as dist
+
+    from attnres_dist.parallel.comm_device import comm_device
+
+    elapsed = torch.tensor(seconds, dtype=torch.float64, device=comm_device())
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
 def _worker(args) -> None:
     import torch
     import torch.distributed as dist
@@ -173,11 +185,10 @@ def _worker(args) -> None:
                 timers[name].run_step(
                     counter, lambda n=name, m=micro: trainers[n].engine.train_step(m)
                 )
-                elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+                elapsed = slowest_rank_seconds(time.perf_counter() - start)
                 counter += 1
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 if rep >= args.warmup:
-                    times[name].append(float(elapsed))
+                    times[name].append(elapsed)
     transfers = [t.to_dict() | {"boundary": t.boundary} for t in tap.transfers]
     compute = {n: _compute_ms(timer.events) for n, timer in timers.items()}
     gathered = [None] * dist.get_world_size() if rank == 0 else None

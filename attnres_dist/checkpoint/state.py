@@ -31,7 +31,7 @@ import torch.distributed as dist
 from attnres_dist.checkpoint import faults, store
 from attnres_dist.checkpoint.store import Checkpoint, CheckpointError
 from attnres_dist.parallel.dims import ParallelDims
-from attnres_dist.parallel.tp_shards import full_from_shards, is_sharded, shard_of
+from attnres_dist.parallel.tp_shards import gather_full, is_sharded, shard_of
 
 # ------------------------------------------------------------------------------ helpers
 
@@ -51,16 +51,6 @@ def _tp_group():
     if not parallel_state.model_parallel_is_initialized():
         return None
     return parallel_state.get_tensor_model_parallel_group()
-
-
-def _gather_like(tensor: torch.Tensor, param: torch.Tensor, group, tp: int) -> torch.Tensor:
-    """The full tensor of ``tensor``, sharded like ``param`` over ``group`` (collective)."""
-    tensor = tensor.detach()
-    if tp == 1 or not is_sharded(param) or tensor.shape != param.shape:
-        return tensor.clone()
-    shards = [torch.empty_like(tensor) for _ in range(tp)]
-    dist.all_gather(shards, tensor.contiguous(), group=group)
-    return full_from_shards(shards, param.partition_dim, getattr(param, "partition_stride", 1))
 
 
 def _full_shape(param: torch.Tensor, tp: int) -> tuple[int, ...]:
@@ -131,7 +121,7 @@ def check_signature(ckpt: Checkpoint, signature: dict) -> None:
 # ------------------------------------------------------------------------------- saving
 
 
-def _stage_tensors(engine, group, tp: int) -> dict[str, torch.Tensor]:
+def _stage_tensors(engine, group) -> dict[str, torch.Tensor]:
     """Full tensors of the parameters (and their optimizer state) this stage owns.
 
     Collective over the tensor-parallel group: every tensor rank runs the same loop.
@@ -145,14 +135,14 @@ def _stage_tensors(engine, group, tp: int) -> dict[str, torch.Tensor]:
     for name, param, owned in engine.checkpoint_params():
         if not owned:
             continue
-        tensors[f"model/{name}"] = _gather_like(param, param, group, tp)
+        tensors[f"model/{name}"] = gather_full(param, param, group)
         state = dict(optimizer.state.get(param, {}))
         if "step" not in state and id(param) in group_step:
             state["step"] = group_step[id(param)]
         for key in sorted(state):
             value = state[key]
             if torch.is_tensor(value):
-                tensors[f"optim/{key}/{name}"] = _gather_like(value, param, group, tp)
+                tensors[f"optim/{key}/{name}"] = gather_full(value, param, group)
             else:  # a plain number (older torch and apex keep "step" as one)
                 tensors[f"optim/{key}/{name}"] = torch.tensor(float(value), dtype=torch.float32)
     return {k: v.cpu().contiguous() for k, v in tensors.items()}
@@ -182,7 +172,7 @@ def save_checkpoint(
     tmp = store.tmp_dir(root, step)
     written = None
     if dp_rank == 0:  # data-parallel replicas hold identical state: one of them writes
-        tensors = _stage_tensors(engine, _tp_group(), dims.tp)
+        tensors = _stage_tensors(engine, _tp_group())
         if tp_rank == 0:
             name = f"stage-{stage:03d}.safetensors"
             info = store.write_bytes(tmp / name, safetensors.torch.save(tensors))

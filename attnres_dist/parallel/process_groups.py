@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from attnres_dist.model import megatron_compat
+from attnres_dist.parallel import comm_device
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.launch_env import LaunchEnv, detect_launch_env, export_torch_env
 
@@ -48,6 +49,7 @@ def init_distributed(
     set_threads(launch.world_size)
     if torch.cuda.is_available():
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+    comm_device.declare()  # the device of every tensor handed to torch.distributed
     megatron_compat.apply()
     if not dist.is_initialized():
         dist.init_process_group(

@@ -35,11 +35,22 @@ def full_from_shards(shards: list[torch.Tensor], dim: int, stride: int) -> torch
     return torch.cat([pieces[r][j] for j in range(stride) for r in range(size)], dim=dim)
 
 
-def gather_full(param: torch.Tensor, group=None) -> torch.Tensor:
-    """The full tensor of a (possibly) sharded parameter; collective over ``group``."""
-    tensor = param.detach()
-    if not is_sharded(param) or group is None or dist.get_world_size(group) == 1:
+def gather_full(tensor: torch.Tensor, like: torch.Tensor | None = None, group=None) -> torch.Tensor:
+    """The full tensor of ``tensor``, sharded like the parameter ``like`` (default: itself).
+
+    Collective over ``group`` (the tensor-parallel group) when ``like`` is sharded and
+    ``tensor`` has its shape (a parameter, or its AdamW moments); anything else (a replicated
+    parameter, a scalar step count, no group) is returned as a detached copy.
+    """
+    like = tensor if like is None else like
+    tensor = tensor.detach()
+    if (
+        not is_sharded(like)
+        or tensor.shape != like.shape
+        or group is None
+        or dist.get_world_size(group) == 1
+    ):
         return tensor.clone()
     shards = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(shards, tensor.contiguous(), group=group)
-    return full_from_shards(shards, param.partition_dim, getattr(param, "partition_stride", 1))
+    return full_from_shards(shards, like.partition_dim, getattr(like, "partition_stride", 1))

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from attnres_dist.model.document_masks import loss_mask
 from attnres_dist.model.gpt import ModelBuilder
+from attnres_dist.parallel.comm_device import comm_device
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import check_groups_agree
 from attnres_dist.parallel.tp_shards import gather_full
@@ -27,7 +28,7 @@ from attnres_dist.pipeline.naming import canonical_name
 from attnres_dist.pipeline.partition import compute_parts
 from attnres_dist.runtime.kernels import adam_class
 from attnres_dist.train.config import Config
-from attnres_dist.train.optim import lr_factor, param_groups
+from attnres_dist.train.optim import build_optimizer
 
 
 def _model_parallel_group(dims: ParallelDims, rank: int):
@@ -59,7 +60,7 @@ class GlobalNormClip:
             self.grad_probe()
         if self.max_norm > 0:
             grads = [p.grad for p in self.norm_params if p.grad is not None]
-            sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
+            sq = torch.zeros((), dtype=torch.float64, device=comm_device())
             for g in grads:
                 sq += g.detach().double().pow(2).sum()
             dist.all_reduce(sq, group=self.norm_group)
@@ -103,10 +104,11 @@ class PipelineEngine:
         self.module = AttnResPipelineModule(
             builder, self.parts, topology, cfg.parallel.recompute, cfg.parallel.recompute_interval
         )
-        self.optimizer = self._build_optimizer()
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(step, cfg.optim, cfg.train.steps)
-        )
+        # the tied embedding's parameters (both stages' copies): the first stage's copy is the
+        # one counted by the clip norm, the parameter count, checkpoints and full_state
+        self._tied = frozenset(id(p) for p in self.module.tied_modules.parameters())
+        self._stage = dims.coords(self.rank)[0]
+        self.optimizer, self.scheduler = self._build_optimizer()
         t = cfg.train
         ds_config = {
             "train_batch_size": t.global_batch_size,
@@ -124,24 +126,30 @@ class PipelineEngine:
             lr_scheduler=self.scheduler,
             config=ds_config,
         )
+        if torch.device(self.engine.device) != comm_device():
+            raise RuntimeError(
+                f"DeepSpeed's engine runs on {self.engine.device} but the run's collectives use "
+                f"{comm_device()} (parallel/comm_device.py); the accelerator was misdetected"
+            )
         watchdog.install(self.engine, self.parts, cfg.model.num_layers, cfg.parallel.timeout_s)
 
-    def _build_optimizer(self) -> ClippedAdamW:
-        o = self.cfg.optim
-        stage, _, tp_rank = self.dims.coords(self.rank)
-        tied = {id(p) for p in self.module.tied_modules.parameters()}
-        norm_params = []
-        for _, p in self.module.named_parameters():
-            if id(p) in tied and stage != 0:
-                continue  # the first stage's copy counts for both
-            if tp_rank == 0 or getattr(p, "tensor_model_parallel", False):
-                norm_params.append(p)
-        return clipped_optimizer_class(adam_class(self.runtime))(
-            param_groups(self.module, o.weight_decay),
-            lr=o.lr,
-            betas=(o.beta1, o.beta2),
-            eps=o.eps,
-            max_norm=o.grad_clip,
+    def _owned(self, p: torch.nn.Parameter) -> bool:
+        """False for the last stage's copy of the tied embedding (the first stage's counts)."""
+        return id(p) not in self._tied or self._stage == 0
+
+    def _build_optimizer(self):
+        tp_rank = self.dims.coords(self.rank)[2]
+        norm_params = [
+            p
+            for _, p in self.module.named_parameters()
+            if self._owned(p) and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False))
+        ]
+        return build_optimizer(
+            self.module,
+            self.cfg.optim,
+            self.cfg.train.steps,
+            clipped_optimizer_class(adam_class(self.runtime)),
+            max_norm=self.cfg.optim.grad_clip,
             norm_params=norm_params,
             group=_model_parallel_group(self.dims, self.rank),
         )
@@ -185,11 +193,9 @@ class PipelineEngine:
     def checkpoint_params(self) -> list[tuple[str, torch.nn.Parameter, bool]]:
         """(canonical name, parameter, owned) of this stage; the tied embedding is owned by the
         first stage (the last stage's copy is identical and is loaded, not written)."""
-        stage = self.dims.coords(self.rank)[0]
-        tied = {id(p) for p in self.module.tied_modules.parameters()}
         n = self.cfg.model.num_layers
         return [
-            (canonical_name(name, n), p, not (id(p) in tied and stage != 0))
+            (canonical_name(name, n), p, self._owned(p))
             for name, p in self.module.named_parameters()
         ]
 
@@ -200,7 +206,9 @@ class PipelineEngine:
 
     def global_num_parameters(self, local: int) -> int:
         """Parameters of the whole model, each counted once (see ``_build_optimizer``)."""
-        count = torch.tensor(sum(p.numel() for p in self.optimizer.norm_params))
+        count = torch.tensor(
+            sum(p.numel() for p in self.optimizer.norm_params), device=comm_device()
+        )
         if self.dims.dp > 1 and self.dims.coords(self.rank)[1] != 0:
             count.zero_()
         dist.all_reduce(count)
@@ -213,17 +221,16 @@ class PipelineEngine:
         """
         from megatron.core import parallel_state
 
-        stage, dp_rank, tp_rank = self.dims.coords(self.rank)
+        _, dp_rank, tp_rank = self.dims.coords(self.rank)
         tp_group = parallel_state.get_tensor_model_parallel_group()
         n = self.cfg.model.num_layers
-        tied = {id(p) for p in self.module.tied_modules.parameters()}
         local = {}
         for name, param in self.module.named_parameters():
-            if id(param) in tied and stage != 0:
+            if not self._owned(param):
                 continue
-            full = gather_full(param, tp_group)
+            full = gather_full(param, group=tp_group)
             if dp_rank == 0 and tp_rank == 0:
-                local[canonical_name(name, n)] = full
+                local[canonical_name(name, n)] = full.cpu()  # pickled to rank 0 by gather_object
         gathered = [None] * dist.get_world_size() if self.rank == 0 else None
         dist.gather_object(local, gathered, dst=0)
         if self.rank != 0:

@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from attnres_dist.parallel.comm_device import comm_device, synchronize
+
 
 @dataclass
 class LinkModel:
@@ -65,22 +67,24 @@ def fit_latency_bandwidth(sizes: list[int], times: list[float]) -> tuple[float, 
 
 def _pingpong_leader(peer: int, sizes, reps: int, warmup: int):
     one_way, offsets = [], []
-    stamp = torch.zeros(2, dtype=torch.float64)
+    stamp = torch.zeros(2, dtype=torch.float64, device=comm_device())
     for _ in range(warmup + reps):  # clock offset from small timestamped round trips
         t0 = time.monotonic()
         stamp[0] = t0
         dist.send(stamp, peer)
         dist.recv(stamp, peer)
+        synchronize()
         t3 = time.monotonic()
         t1, t2 = float(stamp[0]), float(stamp[1])
         offsets.append(((t3 - t0) - (t2 - t1), ((t1 - t0) + (t2 - t3)) / 2))
     for nbytes in sizes:
-        buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)
+        buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=comm_device())
         rtts = []
         for rep in range(warmup + reps):
             start = time.monotonic()
             dist.send(buf, peer)
             dist.recv(buf, peer)
+            synchronize()  # NCCL returns before the transfer is done
             if rep >= warmup:
                 rtts.append(time.monotonic() - start)
         one_way.append(
@@ -95,15 +99,16 @@ def _pingpong_leader(peer: int, sizes, reps: int, warmup: int):
 
 
 def _pingpong_follower(peer: int, sizes, reps: int, warmup: int) -> None:
-    stamp = torch.zeros(2, dtype=torch.float64)
+    stamp = torch.zeros(2, dtype=torch.float64, device=comm_device())
     for _ in range(warmup + reps):
         dist.recv(stamp, peer)
+        synchronize()
         now = time.monotonic()
         stamp[0] = now
         stamp[1] = time.monotonic()
         dist.send(stamp, peer)
     for nbytes in sizes:
-        buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)
+        buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=comm_device())
         for _ in range(warmup + reps):
             dist.recv(buf, peer)
             dist.send(buf, peer)

@@ -36,13 +36,24 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
-def build_optimizer(model: torch.nn.Module, optim: OptimConfig, total_steps: int):
-    """AdamW and its LambdaLR schedule."""
-    optimizer = torch.optim.AdamW(
+def build_optimizer(
+    model: torch.nn.Module,
+    optim: OptimConfig,
+    total_steps: int,
+    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    **extra,
+):
+    """The optimizer and its LambdaLR schedule, for both engines.
+
+    ``optimizer_class``: an AdamW-compatible class (torch's AdamW; the pipeline engine passes
+    the global-norm-clipping one around the runtime's choice, with its ``extra`` arguments).
+    """
+    optimizer = optimizer_class(
         param_groups(model, optim.weight_decay),
         lr=optim.lr,
         betas=(optim.beta1, optim.beta2),
         eps=optim.eps,
+        **extra,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, optim, total_steps)
