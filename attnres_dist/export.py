@@ -11,10 +11,17 @@ single-process ``AttnResGPT`` from it with torch and Megatron-Core's layers only
 DeepSpeed). ``hf``: a transformers directory (``attnres_dist/hf/writer.py``) that
 ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` loads.
 
+Parameter names are always the local layer spec's: a Transformer-Engine-trained checkpoint's
+fused norm gains are renamed (``model/spec_names.py``, TE's ``_extra_state`` dropped) and the
+native ``config.json`` records the spec the model was trained with (``layer_spec``).
+
 ``generate`` reads either format into the Hugging Face model (``load_for_generation``; no
 Megatron-Core, no DeepSpeed) and samples with a KV cache (``attnres_dist/generation.py``:
 temperature, top-k, the training tokenizer); ``--no-kv-cache`` recomputes the whole window
-for every token instead, the reference the cache is tested against.
+for every token instead, the reference the cache is tested against. ``--device`` (``cuda`` or
+``cpu``; default the GPU when there is one) places the model; ``load_exported`` builds the
+single-process ``AttnResGPT`` with the plain runtime of that device (local spec, torch ops,
+fp32), so a CPU model in a process that sees a GPU keeps Megatron off the GPU.
 """
 
 from __future__ import annotations
@@ -65,11 +72,13 @@ def export_checkpoint(
 
     from attnres_dist.checkpoint import store
     from attnres_dist.checkpoint.state import read_tensors
+    from attnres_dist.model import spec_names
 
     _check_target(fmt, output)
     ckpt = store.resolve(source, warn)
     tokenizer = _checkpoint_tokenizer(ckpt)
-    tensors = read_tensors(ckpt, "model/")
+    trained = read_tensors(ckpt, "model/")
+    tensors = spec_names.to_local_names(trained)
     output = Path(output)
     if fmt == "hf":
         return _export_hf(ckpt, tensors, tokenizer, output)
@@ -82,6 +91,8 @@ def export_checkpoint(
         "format": EXPORT_FORMAT,
         "model": ckpt.config["model"],
         "vocab_size": ckpt.manifest["model"]["model.vocab_size (padded)"],
+        # the spec that trained the model; the weights are named for the local one
+        "layer_spec": {"trained": spec_names.spec_of(trained), "names": "local"},
         "tokenizer": tokenizer,
         "step": ckpt.step,
         "source": str(ckpt.path),
@@ -129,23 +140,52 @@ def _read_config(directory: Path) -> dict:
     return info
 
 
-def load_exported(directory: str | Path):
-    """(single-process ``AttnResGPT`` in eval mode, the export's config dict)."""
+def default_device() -> str:
+    """``cuda`` when a GPU is visible, else ``cpu``."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _device(device: str | None) -> str:
+    """The requested device (default ``default_device()``), refused in one line if unusable."""
+    import torch
+
+    device = device or default_device()
+    if device not in ("cpu", "cuda"):
+        raise UserError("--device", f"got {device!r}; use cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device", "cuda requested but no GPU is visible; use --device cpu")
+    return device
+
+
+def load_exported(directory: str | Path, device: str | None = None):
+    """(single-process ``AttnResGPT`` in eval mode on ``device``, the export's config dict).
+
+    ``device``: ``cuda`` or ``cpu`` (default: ``default_device()``). A CPU model in a process
+    that sees a GPU keeps Megatron off the GPU for the rest of the process.
+    """
     import safetensors.torch
 
+    from attnres_dist.model import spec_names
     from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
     from attnres_dist.parallel.dims import ParallelDims
     from attnres_dist.parallel.process_groups import init_distributed
+    from attnres_dist.runtime import RuntimeChoice
     from attnres_dist.train.config import config_from_dict
 
+    device = _device(device)
     directory = Path(directory)
     info = _read_config(directory)
     if info.get("format") != EXPORT_FORMAT:
         raise UserError(str(directory / CONFIG), f"not an {EXPORT_FORMAT} config")
     model_cfg = config_from_dict({"model": info["model"]}).model
-    init_distributed(ParallelDims(), seed=0)  # Megatron's layers ask for their (size-1) groups
-    model = AttnResGPT(ModelBuilder(model_cfg, int(info["vocab_size"]), tp=1))
-    state = safetensors.torch.load_file(str(directory / WEIGHTS))
+    # Megatron's layers ask for their (size-1) groups
+    init_distributed(ParallelDims(), seed=0, device=device)
+    runtime = RuntimeChoice.plain(device)
+    model = AttnResGPT(ModelBuilder(model_cfg, int(info["vocab_size"]), tp=1, runtime=runtime))
+    # exports name weights for the local spec; an older one of a TE-trained model may not
+    state = spec_names.to_local_names(safetensors.torch.load_file(str(directory / WEIGHTS)))
     names = {name for name, _ in model.named_parameters()}
     if set(state) != names:
         raise UserError(
@@ -166,22 +206,27 @@ def exported_tokenizer(directory: str | Path, info: dict):
     return build_tokenizer("bytes")
 
 
-def load_for_generation(directory: str | Path):
-    """(the Hugging Face ``AttnResForCausalLM`` in eval mode, the export's info dict with
-    ``model`` and ``tokenizer``) for an export of either format; torch + transformers only."""
+def load_for_generation(directory: str | Path, device: str | None = None):
+    """(the Hugging Face ``AttnResForCausalLM`` in eval mode on ``device``, the export's info
+    dict with ``model`` and ``tokenizer``) for an export of either format; torch + transformers
+    only. ``device``: ``cuda`` or ``cpu`` (default: the GPU when there is one)."""
     import safetensors.torch
 
     from attnres_dist.hf import writer
     from attnres_dist.hf.modeling_attnres import AttnResForCausalLM
+    from attnres_dist.model import spec_names
     from attnres_dist.train.config import config_from_dict
 
+    device = _device(device)
     directory = Path(directory)
     info = _read_config(directory)
     if info.get("model_type") == "attnres":
         writer.quiet_transformers()
-        return AttnResForCausalLM.from_pretrained(directory).eval(), info["attnres_dist"]
+        model = AttnResForCausalLM.from_pretrained(directory).eval()
+        return model.to(device), info["attnres_dist"]
     tokenizer = exported_tokenizer(directory, info)
-    tensors = safetensors.torch.load_file(str(directory / WEIGHTS))
+    # exports name weights for the local spec; an older one of a TE-trained model may not
+    tensors = spec_names.to_local_names(safetensors.torch.load_file(str(directory / WEIGHTS)))
     model_cfg = config_from_dict({"model": info["model"]}).model
     vocab = int(info["tokenizer"].get("vocab_size") or tokenizer.vocab_size)
     config = writer.hf_config(model_cfg, vocab, int(info["vocab_size"]), tokenizer.eod, info)
@@ -189,7 +234,7 @@ def load_for_generation(directory: str | Path):
         model = writer.hf_model(tensors, config)
     except KeyError as exc:
         raise UserError(str(directory / WEIGHTS), f"{exc.args[0]} in {CONFIG}") from None
-    return model, info
+    return model.to(device), info
 
 
 def generate(
@@ -250,7 +295,7 @@ def _generate_cmd(args) -> int:
         raise UserError("--max-new-tokens", f"got {args.max_new_tokens}; must be >= 0")
     if args.top_k < 0:
         raise UserError("--top-k", f"got {args.top_k}; must be >= 0 (0 = no top-k)")
-    model, info = load_for_generation(args.directory)
+    model, info = load_for_generation(args.directory, args.device)
     tokenizer = exported_tokenizer(args.directory, info)
     text = generate(
         model,
@@ -290,5 +335,8 @@ def add_parsers(sub) -> None:
         "--no-kv-cache",
         action="store_true",
         help="recompute the whole window for every token (the slow reference)",
+    )
+    gen.add_argument(
+        "--device", default=None, help="cuda or cpu (default: the GPU when there is one)"
     )
     gen.set_defaults(func=_generate_cmd)

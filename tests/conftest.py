@@ -42,6 +42,18 @@ TINY_MODEL = (
 )
 
 
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.cuda`` tests need a GPU: skipped, with the reason, where there is none."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run by make gpu-check)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def small_dataset(tmp_path_factory) -> str:
     """A byte-level dataset of ~40 standard-library modules, prepared with prepare-data."""

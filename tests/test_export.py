@@ -222,3 +222,111 @@ def test_hf_export_of_parallel_checkpoints(name, parallel_runs, tmp_path):
         diff = (hf(tokens).logits - ref).abs().max().item()
     _record(f"hf_logits[{name}]", diff)
     assert diff <= TOL, diff
+
+
+# TE's modules in each layer of Megatron-Core 0.16.1's TE spec
+# (get_gpt_layer_with_transformer_engine_spec): each keeps FP8 metadata as ``_extra_state``
+TE_MODULES = (
+    "self_attention.linear_qkv",  # TELayerNormColumnParallelLinear (holds input_layernorm)
+    "self_attention.core_attention",  # TEDotProductAttention
+    "self_attention.linear_proj",  # TERowParallelLinear
+    "mlp.linear_fc1",  # TELayerNormColumnParallelLinear (holds pre_mlp_layernorm)
+    "mlp.linear_fc2",  # TERowParallelLinear
+)
+
+
+def te_named(params: dict, num_layers: int) -> dict:
+    """``params`` as a TE-spec model names them, from Megatron's own statement of the map:
+    the local spec's ``sharded_state_dict_keys_map`` (local prefix -> TE prefix)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    keys_map = spec.submodules.sharded_state_dict_keys_map
+    out = {}
+    for name, value in params.items():
+        for local, te in keys_map.items():
+            name = name.replace(f".layer.{local}", f".layer.{te}")
+        out[name] = value
+    for i in range(num_layers):
+        for module in TE_MODULES:
+            out[f"layers.{i}.layer.{module}._extra_state"] = torch.zeros(0, dtype=torch.uint8)
+    return out
+
+
+def test_a_transformer_engine_trained_checkpoint_exports(trained, tmp_path, capsys):
+    from attnres_dist.checkpoint import store
+    from attnres_dist.export import load_exported
+
+    run_dir, params, tmp = trained
+    num_layers = 1 + max(int(k.split(".")[1]) for k in params if k.startswith("layers."))
+    te = te_named(params, num_layers)
+    assert "layers.1.layer.self_attention.linear_qkv.layer_norm_weight" in te
+    assert "layers.1.layer.mlp.linear_fc1.layer_norm_weight" in te
+    assert f"layers.{num_layers - 1}.layer.self_attention.core_attention._extra_state" in te
+    assert not any("layernorm" in k for k in te if k.startswith("layers."))
+    # the trained run's checkpoint, rewritten with the TE names
+    source = store.resolve(run_dir, print)
+    body = {k: v for k, v in source.manifest.items() if k not in ("format", "step", "files")}
+    body.pop("checksum", None)
+    root = tmp_path / "te-checkpoints"
+    stage = {f"model/{k}": v for k, v in te.items()}
+    info = store.write_bytes(
+        store.begin(root, source.step) / "stage-000.safetensors",
+        safetensors.torch.save(stage),
+    )
+    info["tensors"] = {k: list(v.shape) for k, v in stage.items()}
+    store.commit(root, source.step, {"stage-000.safetensors": info}, body)
+
+    out = tmp_path / "exported"
+    assert main(["export", str(root), "--output", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["layer_spec"] == {"trained": "te", "names": "local"}
+    weights = safetensors.torch.load_file(out / "model.safetensors")
+    assert weights.keys() == params.keys()  # extra state dropped, norms renamed
+    for name, value in params.items():
+        assert torch.equal(weights[name], value), name
+    with in_process():
+        try:
+            model, _ = load_exported(out, "cpu")
+            with torch.no_grad():
+                logits = model(torch.load(tmp / "tokens.pt"))
+        finally:
+            shutdown_distributed()
+    diff = (logits - torch.load(tmp / "logits.pt")).abs().max().item()
+    print(f"TE-named checkpoint -> export -> logits: max |diff| = {diff:.3g}")
+    assert diff <= 1e-6
+
+
+def test_generate_refuses_a_missing_gpu_in_one_line(trained, tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    run_dir, _, _ = trained
+    out = tmp_path / "exported"
+    assert main(["export", str(run_dir), "--output", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(out), "--device", "cuda"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --device: cuda requested but no GPU is visible; use --device cpu"
+    ]
+    assert main(["generate", str(out), "--device", "tpu"]) == 2
+    assert "got 'tpu'; use cpu or cuda" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+def test_generate_on_the_gpu_matches_the_cpu(trained, tmp_path):
+    """The same export, greedy, on the GPU and the CPU: the same logits (fp32, 1e-4)."""
+    from attnres_dist.export import load_exported
+
+    run_dir, _, tmp = trained
+    out = tmp_path / "exported"
+    assert main(["export", str(run_dir), "--output", str(out)]) == 0
+    tokens = torch.load(tmp / "tokens.pt")
+    with in_process():
+        try:
+            model, _ = load_exported(out, "cuda")
+            assert next(model.parameters()).device.type == "cuda"
+            with torch.no_grad():
+                logits = model(tokens.cuda()).cpu()
+        finally:
+            shutdown_distributed()
+    assert (logits - torch.load(tmp / "logits.pt")).abs().max().item() <= 1e-4

@@ -35,7 +35,7 @@ from attnres_dist.train.config import ModelConfig
 def seeded(seed: int, name: str):
     """Fork the RNG and seed it from (seed, name): initialisation independent of build order."""
     derived = (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    devices = [torch.cuda.current_device()] if megatron_compat.cuda_available() else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(derived)
         yield
@@ -60,7 +60,7 @@ class ModelBuilder:
         self.model = model
         self.plan: BlockPlan = model.block_plan()
         self.vocab_size = padded_vocab_size(vocab_size, model.make_vocab_size_divisible_by, tp)
-        self.config = transformer_config(model, tp=tp, dtype=dtype)
+        self.config = transformer_config(model, tp=tp, dtype=dtype, on_gpu=self.runtime.on_gpu)
         self.seed = seed
 
     @property

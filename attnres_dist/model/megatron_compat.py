@@ -1,8 +1,10 @@
 """Run Megatron-Core's local layers on a machine without CUDA.
 
 Megatron-Core 0.16 builds and runs its local (non-Transformer-Engine) layer spec on CPU, except
-for a few CUDA-only calls (DESIGN.md section 4). This module replaces exactly those, and only
-when CUDA is absent; on a GPU machine ``apply()`` changes nothing.
+for a few CUDA-only calls (DESIGN.md section 4). This module replaces exactly those, when CUDA
+is absent or when a process that sees a GPU runs its model on the CPU (``apply(force_cpu=True)``,
+e.g. ``generate --device cpu``: Megatron would otherwise take its scratch buffers from the GPU);
+otherwise, on a GPU machine, ``apply()`` changes nothing.
 
 * ``torch.cuda.current_device()`` is asked for the device of scratch buffers (attention's
   global memory buffer, RoPE, tensor-parallel mappings): answered with the CPU device.
@@ -21,17 +23,21 @@ import contextlib
 import torch
 
 _APPLIED = False
+_FORCED_CPU = False  # CPU replacements installed although CUDA is visible
 
 
 def cuda_available() -> bool:
-    return torch.cuda.is_available()
+    """CUDA is visible and Megatron's layers may use it (not forced onto the CPU)."""
+    return torch.cuda.is_available() and not _FORCED_CPU
 
 
-def apply() -> None:
-    """Install the CPU replacements (idempotent; a no-op when CUDA is available)."""
-    global _APPLIED
-    if _APPLIED or cuda_available():
+def apply(force_cpu: bool = False) -> None:
+    """Install the CPU replacements (idempotent; without ``force_cpu`` a no-op when CUDA is
+    available). ``force_cpu`` is for a whole process: it cannot be undone."""
+    global _APPLIED, _FORCED_CPU
+    if _APPLIED or (cuda_available() and not force_cpu):
         return
+    _FORCED_CPU = torch.cuda.is_available()
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *args, **kwargs: None
     _install_cpu_rng_tracker()

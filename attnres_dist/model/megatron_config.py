@@ -27,10 +27,12 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
-def transformer_config(model: ModelConfig, tp: int = 1, dtype=torch.float32):
+def transformer_config(model: ModelConfig, tp: int = 1, dtype=torch.float32, on_gpu=None):
+    """``on_gpu``: the model runs on a GPU (default: CUDA is visible); enables fused softmax."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    on_gpu = torch.cuda.is_available()
+    if on_gpu is None:
+        on_gpu = torch.cuda.is_available()
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,

@@ -3,10 +3,10 @@
 NCCL moves only CUDA tensors and gloo only CPU ones, so a tensor built for a collective or a
 point-to-point message must be created on the run's device, never on torch's default (the CPU):
 under NCCL a CPU tensor raises before the first step. The run's device is declared once, by
-``init_distributed`` right after it binds this process to its GPU: ``cuda:<local GPU>`` when
-CUDA is visible (the process group is NCCL then, ``process_groups.default_backend``), ``cpu``
-otherwise. DeepSpeed's accelerator names the same device (``get_accelerator()
-.current_device_name()``); the pipeline engine checks that its engine agrees.
+``init_distributed`` right after it binds this process to its GPU: ``cuda:<local GPU>`` for a
+GPU run (its process group is NCCL), ``cpu`` otherwise (gloo). DeepSpeed's accelerator
+names the same device (``get_accelerator().current_device_name()``); the pipeline engine
+checks that its engine agrees.
 
 Code that makes a tensor only to communicate it writes ``torch.zeros(..., device=comm_device())``.
 Tensors that are already the model's (parameters, gradients, optimizer state, activations) live

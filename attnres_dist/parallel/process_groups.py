@@ -20,10 +20,6 @@ from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.launch_env import LaunchEnv, detect_launch_env, export_torch_env
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
 def set_threads(world_size: int) -> None:
     """One intra-op thread per rank in multi-process runs, unless OMP_NUM_THREADS says otherwise.
 
@@ -37,9 +33,18 @@ def set_threads(world_size: int) -> None:
 
 
 def init_distributed(
-    dims: ParallelDims, timeout_s: int = 600, seed: int = 0, launch: LaunchEnv | None = None
+    dims: ParallelDims,
+    timeout_s: int = 600,
+    seed: int = 0,
+    launch: LaunchEnv | None = None,
+    device: str | None = None,
 ) -> LaunchEnv:
-    """Initialise the default process group and Megatron's model-parallel groups."""
+    """Initialise the default process group and Megatron's model-parallel groups.
+
+    ``device``: the run's device type, ``cuda`` (NCCL, this rank's GPU) or ``cpu`` (gloo; on a
+    machine with a GPU the model then stays off it); default: ``cuda`` when visible.
+    """
+    on_gpu = torch.cuda.is_available() if device is None else device == "cuda"
     launch = launch or detect_launch_env()
     dims.check_world_size(launch.world_size, launch.launcher)
     if launch.launcher != "single":
@@ -47,13 +52,16 @@ def init_distributed(
         # what it starts later does not inherit a rendezvous port it still holds
         export_torch_env(launch)
     set_threads(launch.world_size)
-    if torch.cuda.is_available():
+    # the device of every tensor handed to torch.distributed, fixed once (comm_device.py)
+    if on_gpu:
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
-    comm_device.declare()  # the device of every tensor handed to torch.distributed
-    megatron_compat.apply()
+        comm_device.declare(torch.device("cuda", torch.cuda.current_device()))
+    else:
+        megatron_compat.apply(force_cpu=True)  # also where a GPU is visible but not used
+        comm_device.declare("cpu")
     if not dist.is_initialized():
         dist.init_process_group(
-            backend=default_backend(),
+            backend="nccl" if on_gpu else "gloo",
             init_method=launch.init_method,
             rank=launch.rank,
             world_size=launch.world_size,

@@ -49,6 +49,21 @@ class RuntimeChoice:
             Choice("fp32", why),
         )
 
+    @classmethod
+    def plain(cls, device: str) -> RuntimeChoice:
+        """The plain path (local spec, torch ops, fp32) on ``device`` (``cpu`` or ``cuda``): what
+        export and generate run, whatever the machine or the spec that trained the model."""
+        if device == "cpu":
+            return cls.reference()
+        why = "plain path for a single-process model"
+        return cls(
+            Choice(device, "requested"),
+            Choice("local", why),
+            Choice("torch", why),
+            Choice("torch", why),
+            Choice("fp32", why),
+        )
+
     @property
     def on_gpu(self) -> bool:
         return self.device.value == "cuda"

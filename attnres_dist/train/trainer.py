@@ -104,7 +104,9 @@ class Trainer:
         self.runtime = select_runtime(cfg.runtime)  # fast paths; refusals are ConfigErrors
         # so does choosing the checkpoint to resume: missing, damaged or foreign ones are bad input
         self.checkpoints = Checkpointing.for_run(cfg, self.meta, vocab, self.dims.tp)
-        self.launch = init_distributed(self.dims, cfg.parallel.timeout_s, cfg.train.seed)
+        self.launch = init_distributed(
+            self.dims, cfg.parallel.timeout_s, cfg.train.seed, device=self.runtime.device.value
+        )
         torch.manual_seed(cfg.train.seed)
         self.builder = ModelBuilder(
             cfg.model,
