@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
 NPROC  ?= 2
 
-.PHONY: setup train train-single test lint bench clean study
+.PHONY: setup train train-single test lint bench clean study gpu-wheels gpu-check gpu-check-dry
 
 setup: $(STAMP)
 
@@ -67,3 +67,15 @@ docker-run:
 		-v $(CURDIR)/runs:/workspace/attnres_dist/runs \
 		-v $(CURDIR)/.cache:/workspace/attnres_dist/.cache \
 		$(IMAGE) $(DOCKER_ARGS)
+
+# The prepared GPU check (docs/gpu.md). gpu-wheels: on a CPU machine with network, the wheels a
+# bare GPU machine lacks, into .whl/ (git-ignored). gpu-check: on the GPU machine (no venv of
+# ours needed: it builds its own, as the Dockerfile does). gpu-check-dry: the same on this CPU.
+gpu-wheels: setup
+	PYTHON=$(PY) bash launch/gpu_wheels.sh .whl
+
+gpu-check:
+	bash launch/gpu_check.sh $(ARGS)
+
+gpu-check-dry: setup
+	GPU_CHECK_DRY_RUN=1 PYTHON=$(PY) OUT=$${OUT:-gpu_check_out} bash launch/gpu_check.sh $(ARGS)

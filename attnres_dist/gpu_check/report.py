@@ -1,0 +1,161 @@
+"""docs/gpu.md from the GPU check's records (``gpu_check.run``); standard library only."""
+
+from __future__ import annotations
+
+RUN = (
+    "make gpu-wheels   # once, on a CPU machine with network: .whl/ (git-ignored, ~22 MB)\n"
+    "# then, from the session that has a GPU, the device tool's run with\n"
+    '#   command:   "bash launch/gpu_check.sh"\n'
+    '#   carry:     [".whl"]\n'
+    "#   timeout_s: 540\n"
+    "# and copy the returned gpu.md over docs/gpu.md"
+)
+
+
+def _cell(value) -> str:
+    return "" if value is None else str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return out + [""]
+
+
+def _by_name(summary: dict) -> dict:
+    return {r["name"]: r for r in summary["steps"]}
+
+
+def _result(steps: dict, name: str) -> dict:
+    return steps.get(name, {}).get("result") or {}
+
+
+def _machine(steps: dict) -> list[str]:
+    m = _result(steps, "machine")
+    if not m:
+        return ["(the machine step did not run)", ""]
+    out = [f"- Python {m.get('python')}; {m.get('platform')}; {m.get('cpus')} CPUs"]
+    gpu = m.get("gpu")
+    if gpu:
+        out.append(
+            f"- GPU: {gpu['name']}, compute capability {gpu['capability']}, "
+            f"{gpu['memory_gib']} GiB, {gpu['multiprocessors']} SMs, bf16 {gpu['bf16']}"
+        )
+    else:
+        out.append(f"- no CUDA device (torch CUDA build: {m.get('torch_cuda')})")
+    versions = ", ".join(f"{k} {v}" for k, v in m.get("versions", {}).items() if v)
+    missing = ", ".join(k for k, v in m.get("versions", {}).items() if not v)
+    out += [f"- installed: {versions}", f"- not installed: {missing or 'none'}"]
+    out += [f"- {m.get('runtime_auto')}", "", "```", *m.get("nvidia_smi", []), "```", ""]
+    return out
+
+
+def _training(steps: dict) -> list[str]:
+    rows = []
+    tiny = _result(steps, "train_tiny")
+    runs = [(f"tiny ({spec})", r) for spec, r in tiny.items()]
+    if _result(steps, "train_125m"):
+        runs.append(("gpt-125m shape (local)", _result(steps, "train_125m")))
+    for label, r in runs:
+        if "skipped" in r:
+            rows.append([label, "skipped: " + r["skipped"], "", "", "", "", ""])
+            continue
+        rows.append(
+            [
+                label,
+                r["runtime"].removeprefix("runtime: "),
+                r["steps"],
+                f"{r['first_loss']} -> {r['final_loss']} (valid {r['valid_loss']})",
+                r["tokens_per_s"],
+                r["peak_gib"],
+                f"{r['parameters']:,}",
+            ]
+        )
+    header = ["run", "runtime", "steps", "loss", "tokens/s", "peak GiB", "parameters"]
+    return _table(header, rows) if rows else ["(no training step ran)", ""]
+
+
+def _step_time(steps: dict) -> list[str]:
+    r = _result(steps, "step_time")
+    if not r:
+        return ["(the step-time step did not run)", ""]
+    rows = [
+        [mode, r[mode]["model"], r[mode]["step_ms"], r[mode]["vs_baseline"], r[mode]["peak_gib"]]
+        for mode in ("baseline", "block", "full")
+        if mode in r
+    ]
+    out = [f"Shape: {r.get('shape')}; median of the measured steps.", ""]
+    return out + _table(["mode", "model", "ms / step", "vs baseline", "peak GiB"], rows)
+
+
+def _depth_attention(steps: dict) -> list[str]:
+    r = _result(steps, "depth_attention")
+    if not r:
+        return ["(the depth-attention step did not run)", ""]
+    kb = r.get("kernel_bench")
+    out = [f"`bench.kernel_bench.run`: {kb if isinstance(kb, str) else 'ran, result below'}", ""]
+    rows = [
+        [
+            x["impl"],
+            x["device"],
+            x["dtype"],
+            x["shape"],
+            x.get("fwd_bwd_ms", ""),
+            x.get("peak_extra_mib", ""),
+            x.get("skipped", ""),
+        ]
+        for x in r.get("registry", [])
+    ]
+    header = ["impl", "device", "dtype", "[n, tokens, d]", "fwd+bwd ms", "peak MiB", "skipped"]
+    out += _table(header, rows)
+    if not isinstance(kb, str) and kb is not None:
+        out += ["```json", str(kb)[:6000], "```", ""]
+    return out
+
+
+def _generate(steps: dict) -> list[str]:
+    r = _result(steps, "generate")
+    if not r:
+        return ["(the generate step did not run)", ""]
+    out = [
+        f"In-process greedy generation on {r['device']}: {r['tokens']} tokens at "
+        f"{r['tokens_per_s']} tokens/s (no KV cache). Export layer spec: {r.get('layer_spec')}.",
+        "",
+    ]
+    for cli in r.get("cli", []):
+        text = cli["text"].strip().replace("`", "'")[:200]
+        out.append(f"- `generate --device {cli['device']}` ({cli['wall_s']} s): `{text}`")
+    return out + [""]
+
+
+def markdown(summary: dict) -> str:
+    steps = _by_name(summary)
+    title = "GPU check (dry run on a CPU)" if summary["dry_run"] else "GPU check"
+    out = [
+        f"# {title}",
+        "",
+        f"Written by `make gpu-check` (attnres_dist/gpu_check) on {summary['started']}: "
+        f"{summary['wall_s']} s of a {summary['budget_s']:.0f} s budget. Base Python "
+        f"{summary['base_python']}; carried wheels: {', '.join(summary['wheels']) or 'none'}.",
+        "",
+        "## Steps",
+        "",
+    ]
+    rows = [
+        [s["name"], s["status"], s.get("seconds", ""), s["what"], s.get("note", "")]
+        for s in summary["steps"]
+    ]
+    out += _table(["step", "status", "seconds", "what", "note"], rows)
+    for s in summary["steps"]:
+        if s["status"] in ("failed", "timeout") and s.get("tail"):
+            out += [f"`{s['name']}` {s['status']}; the end of its output:", "", "```"]
+            out += [*s["tail"].strip().splitlines()[-15:], "```", ""]
+    out += ["## Machine", "", *_machine(steps)]
+    cuda = _result(steps, "cuda_tests")
+    out += ["## CUDA-marked tests", "", f"`pytest -m cuda`: {cuda.get('summary', 'did not run')}"]
+    out += ["", "## Training smoke (one GPU)", "", *_training(steps)]
+    out += ["## Step time: AttnRes vs baseline", "", *_step_time(steps)]
+    out += ["## Depth attention", "", *_depth_attention(steps)]
+    out += ["## Generate", "", *_generate(steps)]
+    out += ["## Running it", "", "```", RUN, "```", ""]
+    return "\n".join(out)

@@ -1,0 +1,222 @@
+"""The GPU check's driver: install like docker/Dockerfile, run each step time-boxed, write gpu.md.
+
+    python3 -m attnres_dist.gpu_check.run --out DIR [--wheels .whl] [--budget-s 420] [--dry-run]
+
+Standard library only (it runs before the project's requirements are installed). Install
+steps, as in the Dockerfile: a virtualenv over the base environment's site-packages, the list
+``docker/requirements.py`` prints installed from the carried wheels (``--no-index``), the project
+with ``--no-deps``, ``docker/check_base.py``, ``check-config``. The base Python may itself be a
+virtualenv (the GPU machine's is), whose packages ``--system-site-packages`` would not see: a
+``.pth`` file adds its site-packages after the new venv's own, which is what that option means
+for a system Python. Every later step runs ``python -m attnres_dist.gpu_check.steps NAME`` with
+the venv's Python, in its own process (a crash or a CUDA error ends one step only), under a
+time limit cut to what is left of the budget. ``--dry-run`` does the same on a CPU: pip only
+resolves (``--dry-run``), the steps use tiny sizes and skip what needs CUDA, with the reason.
+
+DIR receives ``gpu.md``, ``gpu_check.json`` (every step's status and result) and ``steps.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from attnres_dist.gpu_check import report
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    cap_s: int  # the step's own time limit (cut further to what is left of the budget)
+    what: str
+
+
+# in order of importance: the budget may run out before the end
+INSTALL = (
+    Step("venv", 60, "virtualenv over the base environment's site-packages"),
+    Step("requirements", 150, "docker/requirements.py's list from the carried wheels"),
+    Step("project", 90, "the project with --no-deps, then check-config (as the Dockerfile)"),
+    Step("check_base", 60, "docker/check_base.py (expects an NGC base: TE and apex)"),
+)
+STEPS = (
+    Step("machine", 60, "nvidia-smi, versions, the runtime's fast-path choices"),
+    Step("train_tiny", 150, "configs/tiny.yaml on one GPU, bf16, local spec (TE spec if present)"),
+    Step("generate", 120, "export the tiny run, generate on the GPU"),
+    Step("step_time", 150, "step time at the 125M shape: baseline vs Block vs Full AttnRes"),
+    Step("train_125m", 150, "configs/gpt-125m.yaml on one GPU, bf16, a few steps"),
+    Step("depth_attention", 120, "depth-attention implementations: time and memory"),
+    Step("cuda_tests", 180, "pytest -m cuda"),
+)
+MIN_STEP_S = 15  # a step with less time left than this is skipped
+
+
+def _run(cmd, log, timeout: float, env=None, cwd=REPO) -> tuple[str, int | None, str]:
+    """(status, exit code, output tail) of one command, its output appended to ``log``."""
+    log.write(f"\n$ {' '.join(map(str, cmd))}\n")
+    log.flush()
+    try:
+        proc = subprocess.run(
+            [str(c) for c in cmd],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else ""
+        log.write(out + f"\n[timed out after {timeout:.0f} s]\n")
+        return "timeout", None, out[-1500:]
+    out = proc.stdout + proc.stderr
+    log.write(out)
+    log.flush()
+    return ("ok" if proc.returncode == 0 else "failed"), proc.returncode, out[-1500:]
+
+
+def _venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def _base_site_packages() -> list[str]:
+    return [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+
+
+def install_steps(venv: Path, wheels: Path, work: Path, dry: bool, log, left) -> list[dict]:
+    """The Dockerfile's build steps; returns their records."""
+    records = []
+    py = _venv_python(venv)
+    pip_dry = ["--dry-run"] if dry else []
+    for step in INSTALL:
+        timeout = min(step.cap_s, left())
+        start = time.monotonic()
+        record = {"name": step.name, "what": step.what}
+        if timeout < MIN_STEP_S:
+            record |= {"status": "skipped", "note": "no time left"}
+        elif step.name == "venv":
+            status, rc, tail = _run(
+                [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv],
+                log,
+                timeout,
+            )
+            if status == "ok":
+                site = next((venv / "lib").glob("python*/site-packages"))
+                (site / "_gpu_check_base.pth").write_text("\n".join(_base_site_packages()) + "\n")
+            record |= {"status": status, "rc": rc, "tail": tail}
+        elif step.name == "requirements":
+            reqs = work / "requirements.txt"
+            listed = subprocess.run(
+                [str(py), "docker/requirements.py", "pyproject.toml"],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+            )
+            log.write(listed.stdout + listed.stderr)
+            if listed.returncode != 0:
+                record |= {"status": "failed", "rc": listed.returncode, "tail": listed.stderr}
+            else:
+                reqs.write_text(listed.stdout)
+                record["requirements"] = listed.stdout.split()
+                cmd = [py, "-m", "pip", "install", *pip_dry, "--no-cache-dir", "--no-index"]
+                cmd += ["--find-links", wheels, "-r", reqs]
+                status, rc, tail = _run(cmd, log, timeout)
+                record |= {"status": status, "rc": rc, "tail": tail}
+        elif step.name == "project":
+            cmd = [py, "-m", "pip", "install", *pip_dry, "--no-cache-dir", "--no-deps"]
+            cmd += ["--no-index", "--no-build-isolation", "-e", "."]
+            status, rc, tail = _run(cmd, log, timeout)
+            if status == "ok":
+                check = [py, "-m", "attnres_dist.cli", "check-config", "--config"]
+                status, rc, tail = _run([*check, "configs/tiny.yaml"], log, timeout)
+            record |= {"status": status, "rc": rc, "tail": tail}
+        elif step.name == "check_base":
+            status, rc, tail = _run([py, "docker/check_base.py", "pyproject.toml"], log, timeout)
+            record |= {"status": status, "rc": rc, "tail": tail}
+        record["seconds"] = round(time.monotonic() - start, 1)
+        records.append(record)
+    return records
+
+
+def run_steps(py: Path, work: Path, dry: bool, log, left, only=None) -> list[dict]:
+    records = []
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+    for step in STEPS:
+        if only and step.name not in only:
+            continue
+        timeout = min(step.cap_s, left())
+        record = {"name": step.name, "what": step.what}
+        if timeout < MIN_STEP_S:
+            records.append(record | {"status": "skipped", "note": "no time left in the budget"})
+            continue
+        result_file = work / f"{step.name}.json"
+        cmd = [py, "-m", "attnres_dist.gpu_check.steps", step.name, "--work", work]
+        cmd += ["--result", result_file, *(["--dry-run"] if dry else [])]
+        start = time.monotonic()
+        status, rc, tail = _run(cmd, log, timeout, env=env)
+        record |= {"status": status, "rc": rc, "seconds": round(time.monotonic() - start, 1)}
+        if result_file.is_file():
+            result = json.loads(result_file.read_text())
+            record["result"] = result
+            if status == "ok" and result.get("skipped"):
+                record["status"] = "skipped"
+                record["note"] = result["skipped"]
+        if status != "ok":
+            record["tail"] = tail
+        records.append(record)
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="directory for gpu.md, gpu_check.json")
+    parser.add_argument("--wheels", default=str(REPO / ".whl"), help="the carried wheels")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="wall-clock budget")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, pip resolves")
+    parser.add_argument("--only", nargs="*", default=None, help="run only these steps")
+    args = parser.parse_args(argv)
+    dry = args.dry_run or os.environ.get("GPU_CHECK_DRY_RUN") == "1"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.budget_s
+
+    def left() -> float:
+        return deadline - time.monotonic()
+
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    with (
+        tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp,
+        open(out / "steps.log", "w") as log,
+    ):
+        work = Path(tmp)
+        venv = work / "venv"
+        records = install_steps(venv, Path(args.wheels), work, dry, log, left)
+        py = _venv_python(venv) if records[0]["status"] == "ok" else Path(sys.executable)
+        records += run_steps(py, work, dry, log, left, args.only)
+    summary = {
+        "dry_run": dry,
+        "started": started,
+        "budget_s": args.budget_s,
+        "wall_s": round(args.budget_s - left(), 1),
+        "base_python": f"{platform.python_version()} at {sys.executable}",
+        "wheels": sorted(p.name for p in Path(args.wheels).glob("*.whl")),
+        "steps": records,
+    }
+    (out / "gpu_check.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "gpu.md").write_text(report.markdown(summary))
+    for r in records:
+        print(f"{r['name']:16s} {r['status']:8s} {r.get('seconds', 0):6.1f} s  {r.get('note', '')}")
+    print(f"wrote {out / 'gpu.md'} ({summary['wall_s']} s of a {args.budget_s:.0f} s budget)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

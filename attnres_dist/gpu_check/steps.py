@@ -1,0 +1,195 @@
+"""What each step of the GPU check does; run one per process by ``gpu_check.run``.
+
+    python -m attnres_dist.gpu_check.steps NAME --work DIR --result FILE [--dry-run]
+
+Each step returns a JSON-able dict written to FILE; ``{"skipped": reason}`` says it could not
+run here (CUDA missing in a dry run, an optional package absent). An exception fails the step
+(exit 1, the traceback in the log). ``--dry-run`` runs the same code on the CPU with tiny sizes.
+The training steps live in ``train_steps.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import json
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = (
+    "torch",
+    "triton",
+    "deepspeed",
+    "megatron-core",
+    "transformer-engine",
+    "apex",
+    "flash-linear-attention",
+    "fla-core",
+    "transformers",
+    "safetensors",
+    "mpi4py",
+)
+
+
+def _version(name: str) -> str | None:
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+
+def machine(work: Path, dry: bool) -> dict:
+    import torch
+
+    from attnres_dist.runtime import select_runtime
+    from attnres_dist.train.config import RuntimeConfig
+
+    info = {
+        "python": f"{platform.python_version()} ({sys.executable})",
+        "platform": platform.platform(),
+        "cpus": __import__("os").cpu_count(),
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "versions": {name: _version(name) for name in PACKAGES},
+        "runtime_auto": select_runtime(RuntimeConfig()).describe(),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["gpu"] = {
+            "name": props.name,
+            "capability": f"{props.major}.{props.minor}",
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "multiprocessors": props.multi_processor_count,
+            "bf16": torch.cuda.is_bf16_supported(),
+        }
+    try:
+        smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30)
+        info["nvidia_smi"] = (smi.stdout or smi.stderr).strip().splitlines()[:20]
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        info["nvidia_smi"] = [f"not available: {exc}"]
+    return info
+
+
+def cuda_tests(work: Path, dry: bool) -> dict:
+    """``pytest -m cuda`` over the test files that have such tests (on a CPU every one of them
+    is skipped with its reason)."""
+    files = sorted(
+        str(p.relative_to(REPO))
+        for p in (REPO / "tests").glob("test_*.py")
+        if "pytest.mark.cuda" in p.read_text()
+    )
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", "-rs"]
+    proc = subprocess.run(cmd + files, cwd=REPO, capture_output=True, text=True)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    summary = lines[-1] if lines else ""
+    counts = {
+        k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|deselected)", summary)
+    }
+    result = {"files": files, "rc": proc.returncode, "summary": summary, "counts": counts}
+    result["tail"] = lines[-25:]
+    if proc.returncode not in (0, 5):  # 5: nothing collected
+        raise RuntimeError(f"pytest -m cuda: {summary}\n" + "\n".join(lines[-40:]))
+    return result
+
+
+def _depth_attention_timing(dry: bool) -> list[dict]:
+    """fwd+bwd time and peak extra memory of each registered implementation on this device."""
+    import torch
+
+    from attnres_dist.ops import available_depth_attention_impls, get_depth_attention
+
+    cuda = torch.cuda.is_available() and not dry
+    device = torch.device("cuda" if cuda else "cpu")
+    # the 125M shape: 8 x 1024 tokens, hidden 768, 9 sources (8 blocks + the partial one)
+    tokens, dim, n, dtype = (8192, 768, 9, torch.bfloat16) if cuda else (256, 64, 5, torch.float32)
+    reps, warmup = (20, 3) if cuda else (3, 1)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    sources = [torch.randn(tokens, dim, generator=gen).to(device, dtype) for _ in range(n)]
+    for s in sources:
+        s.requires_grad_()
+    query = (0.1 * torch.randn(dim, generator=gen)).to(device).requires_grad_()
+    gain = torch.ones(dim, device=device, requires_grad=True)
+    grad = torch.randn(tokens, dim, generator=gen).to(device, dtype)
+    rows = []
+    for name in available_depth_attention_impls():
+        impl = get_depth_attention(name)
+        why = impl.requirement() if device.type in impl.devices else f"no {device.type} support"
+        row = {"impl": name, "device": str(device), "shape": [n, tokens, dim], "dtype": str(dtype)}
+        if why:
+            rows.append(row | {"skipped": why})
+            continue
+        times = []
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if cuda else 0
+        for rep in range(warmup + reps):
+            start = time.perf_counter()
+            out = impl(query, sources, gain)
+            torch.autograd.grad(out, [query, gain, *sources], grad)
+            if cuda:
+                torch.cuda.synchronize()
+            if rep >= warmup:
+                times.append(time.perf_counter() - start)
+            del out
+        row["fwd_bwd_ms"] = round(1e3 * statistics.median(times), 3)
+        if cuda:
+            row["peak_extra_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+        rows.append(row)
+    return rows
+
+
+def depth_attention(work: Path, dry: bool) -> dict:
+    """``bench.kernel_bench.run`` when it exists, and each registered implementation timed."""
+    result = {}
+    try:
+        from attnres_dist.bench import kernel_bench
+    except ImportError as exc:
+        result["kernel_bench"] = f"not available ({exc})"
+    else:
+        if dry:
+            result["kernel_bench"] = "present; runs on the GPU only (not in a dry run)"
+        else:
+            out = kernel_bench.run(str(work / "kernel_bench"))
+            result["kernel_bench"] = json.loads(json.dumps(out, default=str))
+    result["registry"] = _depth_attention_timing(dry)
+    return result
+
+
+def _steps():
+    from attnres_dist.gpu_check import train_steps
+
+    return {
+        "machine": machine,
+        "cuda_tests": cuda_tests,
+        "depth_attention": depth_attention,
+        "train_tiny": train_steps.train_tiny,
+        "train_125m": train_steps.train_125m,
+        "step_time": train_steps.step_time,
+        "generate": train_steps.generate,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("name")
+    parser.add_argument("--work", required=True)
+    parser.add_argument("--result", required=True)
+    parser.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args(argv)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    result = _steps()[args.name](work, args.dry_run)
+    Path(args.result).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(json.dumps(result, default=str)[:2000])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

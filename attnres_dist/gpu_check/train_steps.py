@@ -1,0 +1,203 @@
+"""The GPU check's training steps: smoke runs, step times at the 125M shape, export + generate.
+
+All run on one GPU (``parallel.pp=1``: the single-process engine) in bf16 with the local spec;
+the tiny config also with Megatron's Transformer Engine spec when TE imports. The 125M config's
+dataset and GPT-2 tokenizer are not on the machine, so it trains on the embedded byte corpus:
+the shape (12 x 768, 1024 tokens, batch 8) is what is measured. A dry run (CPU) shrinks every
+shape and uses fp32.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+QUIET = ["output.tensorboard=false", "train.progress=false", "train.eval_every=0"]
+SHAPE_125M = [
+    "data.path=null",
+    "data.tokenizer=bytes",
+    "data.tokenizer_path=null",
+    "parallel.pp=1",
+    "parallel.dp=1",
+    "parallel.recompute=none",
+    "train.micro_batch_size=8",
+    "train.global_batch_size=8",
+    "optim.warmup_steps=2",
+]
+DRY_125M = [  # a dry run keeps the code path, not the size
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.seq_length=64",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+]
+
+
+def _gpu(dry: bool) -> bool:
+    import torch
+
+    return torch.cuda.is_available() and not dry
+
+
+def _dtype(dry: bool) -> str:
+    return "runtime.dtype=bf16" if _gpu(dry) else "runtime.dtype=fp32"
+
+
+def _peak_gib() -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2)
+
+
+def _reset_peak() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _train(config: str, overrides: list[str]) -> dict:
+    from attnres_dist.train.config import load_config
+    from attnres_dist.train.trainer import Trainer
+
+    _reset_peak()
+    trainer = Trainer(load_config(config, overrides))
+    summary = trainer.train()
+    losses = summary["train_losses"]
+    return {
+        "config": config,
+        "overrides": overrides,
+        "runtime": trainer.runtime.describe(),
+        "parameters": trainer.num_parameters(),
+        "steps": summary["steps"],
+        "first_loss": round(losses[0], 4),
+        "final_loss": round(losses[-1], 4),
+        "valid_loss": round(summary["final_valid_loss"], 4),
+        "tokens_per_s": summary["tokens_per_s"],
+        "wall_s": summary["wall_time_s"],
+        "peak_gib": _peak_gib(),
+    }
+
+
+def _tiny_overrides(work: Path, spec: str, dry: bool) -> list[str]:
+    steps = 30 if _gpu(dry) else 3
+    out = ["parallel.pp=1", f"train.steps={steps}", "train.eval_batches=2", "train.log_every=10"]
+    out += [f"runtime.layer_spec={spec}", _dtype(dry), "checkpoint.every=0", *QUIET]
+    out.append("optim.warmup_steps=2")
+    out.append(f"output.run_dir={work / f'tiny-{spec}'}")
+    if dry:
+        out += ["model.seq_length=64", "train.micro_batch_size=4", "train.global_batch_size=8"]
+    return out
+
+
+def train_tiny(work: Path, dry: bool) -> dict:
+    from attnres_dist.runtime import probes
+
+    runs = {"local": _train("configs/tiny.yaml", _tiny_overrides(work, "local", dry))}
+    te = probes.transformer_engine()
+    if te.ok and _gpu(dry):
+        runs["te"] = _train("configs/tiny.yaml", _tiny_overrides(work, "te", dry))
+    else:
+        runs["te"] = {"skipped": f"Transformer Engine spec: {te.detail}"}
+    return runs
+
+
+def train_125m(work: Path, dry: bool) -> dict:
+    steps = 10 if _gpu(dry) else 2
+    overrides = [*SHAPE_125M, f"train.steps={steps}", "train.eval_batches=1", "train.log_every=5"]
+    overrides += ["runtime.layer_spec=local", _dtype(dry), "checkpoint.every=0", *QUIET]
+    overrides += [f"output.run_dir={work / '125m'}", *(DRY_125M if dry else [])]
+    return _train("configs/gpt-125m.yaml", overrides)
+
+
+def step_time(work: Path, dry: bool) -> dict:
+    """Median optimizer-step time of baseline, Block (S = 3) and Full AttnRes at one shape."""
+    import torch
+
+    from attnres_dist.train.config import load_config
+    from attnres_dist.train.trainer import Trainer
+
+    warmup, reps = (3, 8) if _gpu(dry) else (1, 2)
+    rows = {}
+    for mode in ("baseline", "block", "full"):
+        overrides = [*SHAPE_125M, f"model.attnres.mode={mode}", f"train.steps={warmup + reps}"]
+        overrides += ["runtime.layer_spec=local", _dtype(dry), *QUIET]
+        overrides += [f"output.run_dir={work / f'step-time-{mode}'}", *(DRY_125M if dry else [])]
+        _reset_peak()
+        trainer = Trainer(load_config("configs/gpt-125m.yaml", overrides))
+        times = []
+        for step in range(warmup + reps):
+            batch = trainer.micro_batches(step)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            trainer.engine.train_step(batch)  # returns the loss as a float: synchronised
+            if step >= warmup:
+                times.append(time.perf_counter() - start)
+        rows[mode] = {
+            "model": trainer.builder.plan.describe(),
+            "step_ms": round(1e3 * statistics.median(times), 2),
+            "samples_ms": [round(1e3 * t, 2) for t in times],
+            "peak_gib": _peak_gib(),
+        }
+        del trainer
+    base = rows["baseline"]["step_ms"]
+    for row in rows.values():
+        row["vs_baseline"] = round(row["step_ms"] / base, 3)
+    return {"shape": "12 x 768, seq 1024, batch 8" if not dry else "dry-run shape", **rows}
+
+
+def _generate_cli(export: Path, device: str) -> dict:
+    cmd = [sys.executable, "-m", "attnres_dist.cli", "generate", str(export), "--device", device]
+    cmd += ["--prompt", "def ", "--max-new-tokens", "48", "--temperature", "0"]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"generate --device {device} failed:\n{proc.stderr[-2000:]}")
+    return {"device": device, "wall_s": round(time.perf_counter() - start, 2), "text": proc.stdout}
+
+
+def generate(work: Path, dry: bool) -> dict:
+    """Export the tiny run (trained by ``train_tiny``; a short one here if it is missing), then
+    time greedy generation in this process and run the CLI on the GPU and on the CPU."""
+    import torch
+
+    from attnres_dist.export import export_checkpoint, exported_tokenizer, load_exported
+    from attnres_dist.export import generate as sample
+
+    run_dir = work / "tiny-local"
+    if not (run_dir / "checkpoints").is_dir():
+        _train("configs/tiny.yaml", _tiny_overrides(work, "local", dry))
+    export = export_checkpoint(run_dir, work / "export", warn=print)
+    device = "cuda" if _gpu(dry) else "cpu"
+    model, info = load_exported(export, device)
+    tokenizer = exported_tokenizer(export, info)
+    seq = int(info["model"]["seq_length"])
+    sample(model, tokenizer, "def ", 4, temperature=0.0, seq_length=seq)  # warm-up
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    text = sample(model, tokenizer, "def ", 64 if device == "cuda" else 16, 0.0, seq_length=seq)
+    seconds = time.perf_counter() - start
+    result = {
+        "device": device,
+        "layer_spec": info.get("layer_spec"),
+        "tokens": len(tokenizer.encode(text)),
+        "tokens_per_s": round(len(tokenizer.encode(text)) / seconds, 1),
+        "text": text,
+        "cli": [_generate_cli(export, device)],
+    }
+    if device == "cuda":  # a CPU model in a process that sees the GPU
+        result["cli"].append(_generate_cli(export, "cpu"))
+    return result

@@ -1,0 +1,76 @@
+"""The prepared GPU check's CPU dry run: the same driver, install steps and step code as on the GPU.
+
+``GPU_CHECK_DRY_RUN=1 bash launch/gpu_check.sh`` builds the check's virtualenv over this
+environment, resolves docker/requirements.py's list and the project with pip (``--dry-run``),
+runs docker/check_base.py (which must refuse this CPU-only base), and then every step with
+tiny sizes on the CPU: machine report, training smoke, step times of baseline / Block / Full,
+depth-attention timings, export + generate, and ``pytest -m cuda`` (all skipped, with reason).
+The test checks each step's record and the gpu.md written from them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from tests.conftest import LAUNCH_VARS, REPO, VENV_BIN
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update(GPU_CHECK_DRY_RUN="1", PYTHON=str(VENV_BIN / "python"), OUT=str(out))
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        ["bash", "launch/gpu_check.sh"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    print(proc.stdout)
+    summary = json.loads((out / "gpu_check.json").read_text())
+    return summary, {s["name"]: s for s in summary["steps"]}, (out / "gpu.md").read_text()
+
+
+@pytest.mark.slow
+def test_dry_run_installs_like_the_dockerfile(dry_run):
+    summary, steps, _ = dry_run
+    assert summary["dry_run"] is True
+    for name in ("venv", "requirements", "project"):
+        assert steps[name]["status"] == "ok", steps[name]
+    assert "deepspeed==0.19.8" in steps["requirements"]["requirements"]
+    assert not any(r.startswith("torch") for r in steps["requirements"]["requirements"])
+    # a CPU-only torch without TE and apex is not a base the image can be built on
+    assert steps["check_base"]["status"] == "failed"
+    assert "CPU-only build" in steps["check_base"]["tail"]
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_step_and_skips_only_what_needs_cuda(dry_run):
+    _, steps, md = dry_run
+    for name in ("machine", "train_tiny", "generate", "step_time", "train_125m"):
+        assert steps[name]["status"] == "ok", steps[name].get("tail")
+    for name in ("depth_attention", "cuda_tests"):
+        assert steps[name]["status"] == "ok", steps[name].get("tail")
+    tiny = steps["train_tiny"]["result"]
+    assert tiny["local"]["steps"] == 3 and tiny["local"]["final_loss"] > 0
+    assert "Transformer Engine spec" in tiny["te"]["skipped"]
+    times = steps["step_time"]["result"]
+    assert times["baseline"]["vs_baseline"] == 1.0
+    assert times["block"]["step_ms"] > 0 and times["full"]["step_ms"] > 0
+    gen = steps["generate"]["result"]
+    assert gen["device"] == "cpu" and gen["tokens"] > 0 and gen["cli"][0]["text"].startswith("def ")
+    registry = steps["depth_attention"]["result"]["registry"]
+    assert {"lean", "reference"} <= {r["impl"] for r in registry if "fwd_bwd_ms" in r}
+    cuda = steps["cuda_tests"]["result"]["counts"]
+    assert cuda.get("skipped", 0) >= 1 and not cuda.get("failed")
+    for heading in ("## Steps", "## Machine", "## Step time", "## Generate", "## Running it"):
+        assert heading in md
+    assert 'carry:     [".whl"]' in md
