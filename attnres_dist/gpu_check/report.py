@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 RUN = (
-    "make gpu-wheels   # once, on a CPU machine with network: .whl/ (git-ignored, ~22 MB)\n"
+    "make gpu-wheels   # once, on a CPU machine with network: .whl/ (git-ignored, ~23.5 MB)\n"
     "# then, from the session that has a GPU, the device tool's run with\n"
     '#   command:   "bash launch/gpu_check.sh"\n'
     '#   carry:     [".whl"]\n'
@@ -46,6 +46,10 @@ def _machine(steps: dict) -> list[str]:
     versions = ", ".join(f"{k} {v}" for k, v in m.get("versions", {}).items() if v)
     missing = ", ".join(k for k, v in m.get("versions", {}).items() if not v)
     out += [f"- installed: {versions}", f"- not installed: {missing or 'none'}"]
+    out.append(
+        f"- DeepSpeed's accelerator: {m.get('deepspeed_accelerator')}; the run's collective "
+        f"device: {m.get('comm_device')}"
+    )
     out += [f"- {m.get('runtime_auto')}", "", "```", *m.get("nvidia_smi", []), "```", ""]
     return out
 

@@ -47,6 +47,7 @@ INSTALL = (
     Step("requirements", 150, "docker/requirements.py's list from the carried wheels"),
     Step("project", 90, "the project with --no-deps, then check-config (as the Dockerfile)"),
     Step("check_base", 60, "docker/check_base.py (expects an NGC base: TE and apex)"),
+    Step("bench_extras", 60, "fla-core from the wheels, for the kernel benchmark (dev extra)"),
 )
 STEPS = (
     Step("machine", 60, "nvidia-smi, versions, the runtime's fast-path choices"),
@@ -137,6 +138,19 @@ def install_steps(venv: Path, wheels: Path, work: Path, dry: bool, log, left) ->
             if status == "ok":
                 check = [py, "-m", "attnres_dist.cli", "check-config", "--config"]
                 status, rc, tail = _run([*check, "configs/tiny.yaml"], log, timeout)
+            record |= {"status": status, "rc": rc, "tail": tail}
+        elif step.name == "bench_extras":
+            cmd = [
+                py,
+                "-m",
+                "pip",
+                "install",
+                *pip_dry,
+                "--no-cache-dir",
+                "--no-index",
+                "--no-deps",
+            ]
+            status, rc, tail = _run([*cmd, "--find-links", wheels, "fla-core"], log, timeout)
             record |= {"status": status, "rc": rc, "tail": tail}
         elif step.name == "check_base":
             status, rc, tail = _run([py, "docker/check_base.py", "pyproject.toml"], log, timeout)

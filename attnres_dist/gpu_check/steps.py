@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata as md
+import inspect
 import json
 import platform
 import re
@@ -59,6 +60,15 @@ def machine(work: Path, dry: bool) -> dict:
         "versions": {name: _version(name) for name in PACKAGES},
         "runtime_auto": select_runtime(RuntimeConfig()).describe(),
     }
+    try:  # the device DeepSpeed's accelerator names must be the run's (parallel/comm_device.py)
+        from deepspeed.accelerator import get_accelerator
+
+        from attnres_dist.parallel.comm_device import default_device
+
+        info["deepspeed_accelerator"] = get_accelerator().current_device_name()
+        info["comm_device"] = str(default_device())
+    except Exception as exc:  # recorded, not fatal
+        info["deepspeed_accelerator"] = f"not importable: {exc}"
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info["gpu"] = {
@@ -153,10 +163,16 @@ def depth_attention(work: Path, dry: bool) -> dict:
     except ImportError as exc:
         result["kernel_bench"] = f"not available ({exc})"
     else:
-        if dry:
-            result["kernel_bench"] = "present; runs on the GPU only (not in a dry run)"
+        accepts = inspect.signature(kernel_bench.run).parameters
+        options = {"time_budget_s": 30.0 if dry else 75.0} if "time_budget_s" in accepts else {}
+        if "dry_run" in accepts:
+            options["dry_run"] = dry
+        elif dry:
+            options = None  # no CPU mode: GPU only
+        if options is None:
+            result["kernel_bench"] = "present; no dry-run mode, so it runs on the GPU only"
         else:
-            out = kernel_bench.run(str(work / "kernel_bench"))
+            out = kernel_bench.run(str(work / "kernel_bench"), **options)
             result["kernel_bench"] = json.loads(json.dumps(out, default=str))
     result["registry"] = _depth_attention_timing(dry)
     return result
