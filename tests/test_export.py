@@ -71,8 +71,9 @@ def trained(small_dataset, tmp_path_factory):
             trainer.train()
             params = trainer.engine.full_state()
             tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-            with torch.no_grad():
-                logits = trainer.engine.model.eval()(tokens)
+            model = trainer.engine.model.eval()
+            with torch.no_grad():  # on the GPU where there is one
+                logits = model(tokens.to(model.device)).cpu()
         finally:
             shutdown_distributed()
     torch.save(tokens, tmp / "tokens.pt")
@@ -312,9 +313,22 @@ def test_generate_refuses_a_missing_gpu_in_one_line(trained, tmp_path, capsys):
     assert "got 'tpu'; use cpu or cuda" in capsys.readouterr().err
 
 
+LOGITS = """
+import json, sys, torch
+from attnres_dist.export import load_exported
+model, _ = load_exported(sys.argv[1], sys.argv[2])
+device = next(model.parameters()).device
+with torch.no_grad():
+    logits = model(torch.load(sys.argv[3]).to(device)).cpu()
+print(json.dumps({"diff": (logits - torch.load(sys.argv[4])).abs().max().item(),
+                  "device": str(device), "cuda_visible": torch.cuda.is_available()}))
+"""
+
+
 @pytest.mark.cuda
 def test_generate_on_the_gpu_matches_the_cpu(trained, tmp_path):
-    """The same export, greedy, on the GPU and the CPU: the same logits (fp32, 1e-4)."""
+    """The same export on the GPU, on the CPU of a process that sees the GPU (Megatron must not
+    take its buffers from CUDA there) and on a CPU-only process: the same logits (fp32)."""
     from attnres_dist.export import load_exported
 
     run_dir, _, tmp = trained
@@ -326,7 +340,21 @@ def test_generate_on_the_gpu_matches_the_cpu(trained, tmp_path):
             model, _ = load_exported(out, "cuda")
             assert next(model.parameters()).device.type == "cuda"
             with torch.no_grad():
-                logits = model(tokens.cuda()).cpu()
+                torch.save(model(tokens.cuda()).cpu(), tmp_path / "gpu_logits.pt")
         finally:
             shutdown_distributed()
-    assert (logits - torch.load(tmp / "logits.pt")).abs().max().item() <= 1e-4
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    for visible in ("0", ""):
+        proc = subprocess.run(
+            [sys.executable, "-c", LOGITS, str(out), "cpu", str(tmp / "tokens.pt")]
+            + [str(tmp_path / "gpu_logits.pt")],
+            cwd=REPO,
+            env=env | ({"CUDA_VISIBLE_DEVICES": ""} if not visible else {}),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert result["device"] == "cpu" and result["cuda_visible"] == bool(visible)
+        assert result["diff"] <= 1e-4, result

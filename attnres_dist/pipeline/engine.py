@@ -215,7 +215,7 @@ class PipelineEngine:
         return int(count)
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
-        """Every parameter, full (tensor-parallel gathered) and canonically named, on rank 0.
+        """Every parameter, full (tensor-parallel gathered) and canonically named, on rank 0's CPU.
 
         Collective: every rank must call it. Other ranks get None.
         """

@@ -64,5 +64,5 @@ class LocalEngine:
         """Nothing beyond the optimizer and schedule counts steps here."""
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """Every parameter by its canonical name (the single-process names)."""
-        return {name: p.detach().clone() for name, p in self.model.named_parameters()}
+        """Every parameter by its canonical name (the single-process names), on the CPU."""
+        return {name: p.detach().cpu().clone() for name, p in self.model.named_parameters()}
