@@ -15,13 +15,14 @@ PLATFORM=(--only-binary=:all: --python-version 3.12 --implementation cp
           --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
           --platform manylinux1_x86_64)
 # megatron-core's cp312 wheel; DeepSpeed's requirements the image lacks; mpich for mpirun;
-# typing-extensions and packaging at the floors pydantic and megatron-core set; fla-core (the
-# dev extra's, pure Python) for the kernel benchmark on the GPU, which has its own triton
+# typing-extensions and packaging at the floors pydantic and megatron-core set; fla-core and
+# flash-attn-res (pure Python, the outside kernels) for the kernel benchmark on the GPU, which
+# has its own triton
 "$PYTHON" -m pip download -q --no-deps "${PLATFORM[@]}" -d "$DEST" \
   megatron-core==0.16.1 mpich==5.0.2 mpi4py==4.1.2 \
   hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
   typing-inspection==0.4.5 typing-extensions==4.16.0 packaging==26.4 \
-  fla-core==0.6.0
+  fla-core==0.6.0 flash-attn-res==0.1.12
 # DeepSpeed 0.19.8 has no wheel on PyPI: build one from its sdist, ops left to JIT (DS_BUILD_OPS=0);
 # its setup.py imports torch, so it builds against this venv's (the wheel is pure Python)
 DS_BUILD_OPS=0 "$PYTHON" -m pip wheel -q --no-deps --no-build-isolation -w "$DEST" deepspeed==0.19.8

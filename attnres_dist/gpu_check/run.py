@@ -47,7 +47,7 @@ INSTALL = (
     Step("requirements", 150, "docker/requirements.py's list from the carried wheels"),
     Step("project", 90, "the project with --no-deps, then check-config (as the Dockerfile)"),
     Step("check_base", 60, "docker/check_base.py (expects an NGC base: TE and apex)"),
-    Step("bench_extras", 60, "fla-core from the wheels, for the kernel benchmark (dev extra)"),
+    Step("bench_extras", 60, "fla-core and flash-attn-res from the wheels (outside kernels)"),
 )
 STEPS = (
     Step("machine", 60, "nvidia-smi, versions, the runtime's fast-path choices"),
@@ -150,7 +150,8 @@ def install_steps(venv: Path, wheels: Path, work: Path, dry: bool, log, left) ->
                 "--no-index",
                 "--no-deps",
             ]
-            status, rc, tail = _run([*cmd, "--find-links", wheels, "fla-core"], log, timeout)
+            cmd += ["--find-links", wheels, "fla-core", "flash-attn-res"]
+            status, rc, tail = _run(cmd, log, timeout)
             record |= {"status": status, "rc": rc, "tail": tail}
         elif step.name == "check_base":
             status, rc, tail = _run([py, "docker/check_base.py", "pyproject.toml"], log, timeout)
