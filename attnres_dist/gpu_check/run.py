@@ -54,9 +54,9 @@ STEPS = (
     Step("train_tiny", 150, "configs/tiny.yaml on one GPU, bf16, local spec (TE spec if present)"),
     Step("generate", 120, "export the tiny run, generate on the GPU"),
     Step("step_time", 150, "step time at the 125M shape: baseline vs Block vs Full AttnRes"),
-    Step("train_125m", 150, "configs/gpt-125m.yaml on one GPU, bf16, a few steps"),
-    Step("depth_attention", 120, "depth-attention implementations: time and memory"),
-    Step("cuda_tests", 180, "pytest -m cuda"),
+    Step("cuda_tests", 150, "pytest -m cuda"),
+    Step("depth_attention", 110, "depth-attention implementations: time and memory"),
+    Step("train_125m", 120, "configs/gpt-125m.yaml on one GPU, bf16, a few steps"),
 )
 MIN_STEP_S = 15  # a step with less time left than this is skipped
 

@@ -164,7 +164,7 @@ def depth_attention(work: Path, dry: bool) -> dict:
         result["kernel_bench"] = f"not available ({exc})"
     else:
         accepts = inspect.signature(kernel_bench.run).parameters
-        options = {"time_budget_s": 30.0 if dry else 75.0} if "time_budget_s" in accepts else {}
+        options = {"time_budget_s": 30.0 if dry else 60.0} if "time_budget_s" in accepts else {}
         if "dry_run" in accepts:
             options["dry_run"] = dry
         elif dry:
