@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 RUN = (
     "make gpu-wheels   # once, on a CPU machine with network: .whl/ (git-ignored, ~23.5 MB)\n"
     "# then, from the session that has a GPU, the device tool's run with\n"
@@ -113,7 +115,7 @@ def _depth_attention(steps: dict) -> list[str]:
     header = ["impl", "device", "dtype", "[n, tokens, d]", "fwd+bwd ms", "peak MiB", "skipped"]
     out += _table(header, rows)
     if not isinstance(kb, str) and kb is not None:
-        out += ["```json", str(kb)[:6000], "```", ""]
+        out += ["```json", json.dumps(kb, indent=1)[:6000], "```", ""]
     return out
 
 
