@@ -123,9 +123,12 @@ def _generate(steps: dict) -> list[str]:
     r = _result(steps, "generate")
     if not r:
         return ["(the generate step did not run)", ""]
+    kv, rec = r.get("kv_cache", {}), r.get("recompute", {})
     out = [
-        f"In-process greedy generation on {r['device']}: {r['tokens']} tokens at "
-        f"{r['tokens_per_s']} tokens/s (no KV cache). Export layer spec: {r.get('layer_spec')}.",
+        f"Greedy generation on {r['device']}: the Hugging Face model with its KV cache "
+        f"{kv.get('tokens_per_s')} tokens/s, the native model recomputing the window "
+        f"{rec.get('tokens_per_s')} tokens/s ({kv.get('tokens')} tokens). Export layer spec: "
+        f"{r.get('layer_spec')}.",
         "",
     ]
     for cli in r.get("cli", []):

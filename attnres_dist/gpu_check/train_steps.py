@@ -168,36 +168,45 @@ def _generate_cli(export: Path, device: str) -> dict:
     return {"device": device, "wall_s": round(time.perf_counter() - start, 2), "text": proc.stdout}
 
 
-def generate(work: Path, dry: bool) -> dict:
-    """Export the tiny run (trained by ``train_tiny``; a short one here if it is missing), then
-    time greedy generation in this process and run the CLI on the GPU and on the CPU."""
+def _timed_generation(model, tokenizer, seq: int, new: int, **kwargs) -> dict:
     import torch
 
-    from attnres_dist.export import export_checkpoint, exported_tokenizer, load_exported
     from attnres_dist.export import generate as sample
+
+    sample(model, tokenizer, "def ", 4, temperature=0.0, seq_length=seq, **kwargs)  # warm-up
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    text = sample(model, tokenizer, "def ", new, temperature=0.0, seq_length=seq, **kwargs)
+    tokens = len(tokenizer.encode(text))
+    return {"tokens": tokens, "tokens_per_s": round(tokens / (time.perf_counter() - start), 1)}
+
+
+def generate(work: Path, dry: bool) -> dict:
+    """Export the tiny run (trained by ``train_tiny``; a short one here if it is missing), then
+    time greedy generation on the device (the Hugging Face model with its KV cache, and the
+    native model recomputing the window) and run the CLI on the GPU and on the CPU."""
+    from attnres_dist.export import (
+        export_checkpoint,
+        exported_tokenizer,
+        load_exported,
+        load_for_generation,
+    )
 
     run_dir = work / "tiny-local"
     if not (run_dir / "checkpoints").is_dir():
         _train("configs/tiny.yaml", _tiny_overrides(work, "local", dry))
     export = export_checkpoint(run_dir, work / "export", warn=print)
     device = "cuda" if _gpu(dry) else "cpu"
-    model, info = load_exported(export, device)
+    new = 64 if device == "cuda" else 16
+    hf, info = load_for_generation(export, device)
     tokenizer = exported_tokenizer(export, info)
     seq = int(info["model"]["seq_length"])
-    sample(model, tokenizer, "def ", 4, temperature=0.0, seq_length=seq)  # warm-up
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    text = sample(model, tokenizer, "def ", 64 if device == "cuda" else 16, 0.0, seq_length=seq)
-    seconds = time.perf_counter() - start
-    result = {
-        "device": device,
-        "layer_spec": info.get("layer_spec"),
-        "tokens": len(tokenizer.encode(text)),
-        "tokens_per_s": round(len(tokenizer.encode(text)) / seconds, 1),
-        "text": text,
-        "cli": [_generate_cli(export, device)],
-    }
-    if device == "cuda":  # a CPU model in a process that sees the GPU
+    result = {"device": device, "layer_spec": info.get("layer_spec")}
+    result["kv_cache"] = _timed_generation(hf, tokenizer, seq, new)
+    native, _ = load_exported(export, device)
+    result["recompute"] = _timed_generation(native, tokenizer, seq, new)
+    result["cli"] = [_generate_cli(export, device)]
+    if device == "cuda":  # the CLI's model on the CPU of a process that sees the GPU
         result["cli"].append(_generate_cli(export, "cpu"))
     return result
