@@ -25,18 +25,19 @@ from attnres_dist.pipeline.partition import (
 from attnres_dist.train.config import load_config
 
 
-def state_after(plan: BlockPlan, layers: int, s=5, b=2, h=8) -> DepthState:
+def state_after(plan: BlockPlan, layers: int, s=5, b=2, h=8, requires_grad=False):
     completed, partial = plan.state_after(2 * layers)
-    tensors = [torch.randn(s, b, h) for _ in range(completed + int(partial))]
-    return DepthState.from_tensors(tensors, completed, partial, layers)
+    tensors = [
+        torch.randn(s, b, h).requires_grad_(requires_grad) for _ in range(completed + int(partial))
+    ]
+    return DepthState.from_tensors(tensors, completed, partial, layers), tensors
 
 
 @pytest.mark.parametrize("mode, size", [("baseline", 1), ("full", 1), ("block", 3)])
 def test_pack_unpack_round_trip_and_gradients(mode, size):
     plan = BlockPlan(4, mode, size)
     for layers in range(5):
-        state = state_after(plan, layers)
-        leaves = [t.requires_grad_() for t in state.tensors()]
+        state, leaves = state_after(plan, layers, requires_grad=True)
         payload = pack(state)
         assert payload.shape == (plan.boundary_width(layers), 5, 2, 8)
         back = unpack(payload, plan, layers, "test boundary")

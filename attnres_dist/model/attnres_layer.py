@@ -7,9 +7,14 @@ state's sources (its own zero-initialised query and key RMSNorm gain), and its r
 to the partial block, which is closed into the completed list where the block plan says so.
 Baseline mode applies the plain PreNorm residual with the very same submodules.
 
+With a two-phase implementation the mix is phase 1 (at a segment's first sublayer, for the
+whole segment) plus phase 2 (``attnres_dist.model.depth_mixing``).
+
 Recompute (activation checkpointing) lives here too:
 * ``attnres``: the mix and the PreNorm after it are recomputed in backward, so nothing of them
-  is stored beyond the sources, which stay alive anyway;
+  is stored beyond the sources, which stay alive anyway. Two-phase: the region is phase 2 and
+  the norm; phase 1 saves only its inputs, its outputs and ``[n, tokens]`` statistics, so its
+  outputs (one float32 ``[s, b, h]`` per sublayer, the regions' inputs) are kept instead;
 * ``full``: groups of ``interval`` consecutive local layers are recomputed whole. The first
   layer of a group runs the group under one checkpoint; the others see the state's
   ``layers_done`` already past them and pass it through.
@@ -17,31 +22,18 @@ Recompute (activation checkpointing) lives here too:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from attnres_dist.model.block_plan import BlockPlan
+from attnres_dist.model.depth_mixing import DepthMixer, configure_segments, merge_inputs
 from attnres_dist.model.depth_state import DepthState
 from attnres_dist.model.sequence_context import sequence_context, with_layout
-from attnres_dist.ops import get_depth_attention
 
-
-class DepthMixer(torch.nn.Module):
-    """Softmax attention over depth with a learned pseudo-query (zero at init) and key gain."""
-
-    def __init__(self, hidden_size: int, impl: str = "lean", eps: float = 1e-6):
-        super().__init__()
-        self.query = torch.nn.Parameter(torch.zeros(hidden_size))
-        self.key_norm_weight = torch.nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-        self.impl = impl
-        self._op = get_depth_attention(impl)
-
-    def forward(self, sources, return_weights: bool = False):
-        return self._op(
-            self.query, sources, self.key_norm_weight, eps=self.eps, return_weights=return_weights
-        )
+__all__ = ["AttnResLayer", "DepthMixer", "configure_recompute", "configure_segments"]
 
 
 class AttnResLayer(torch.nn.Module):
@@ -71,6 +63,13 @@ class AttnResLayer(torch.nn.Module):
             self.mlp_mixer = DepthMixer(hidden, impl)
         self.recompute = "none"
         self.group: list[AttnResLayer] = [self]  # layers recomputed together (full recompute)
+        self.store_capacity = plan.final_num_sources  # rows of the block store's buffer
+        self.segments = {}  # sublayer -> Segment (two-phase schedule)
+        configure_segments([self], plan)
+
+    @property
+    def first_sublayer(self) -> int:
+        return 2 * self.layer_index + 1
 
     # -- sublayer functions f(x) = Sublayer(Norm(x)); outputs are the raw v_i of the paper --
 
@@ -93,33 +92,44 @@ class AttnResLayer(torch.nn.Module):
             normed = norm(x)
         else:
             mixer = self.attn_mixer if first else self.mlp_mixer
-            sources = state.sources()
-            if self.recompute == "attnres" and torch.is_grad_enabled():
-                normed = checkpoint(lambda *s: norm(mixer(s)), *sources, use_reentrant=False)
+            if mixer.two_phase:
+                state = self.segments[sublayer].begin(state)  # phase 1 at the segment's start
+                inputs = (*merge_inputs(state, sublayer), state.store.dtype)
+                if self.recompute == "attnres" and torch.is_grad_enabled():
+                    normed = checkpoint(
+                        lambda *a: norm(mixer.merge(*a)), *inputs, use_reentrant=False
+                    )
+                else:
+                    normed = norm(mixer.merge(*inputs))
             else:
-                normed = norm(mixer(sources))
+                sources = state.sources()
+                if self.recompute == "attnres" and torch.is_grad_enabled():
+                    normed = checkpoint(lambda *s: norm(mixer(s)), *sources, use_reentrant=False)
+                else:
+                    normed = norm(mixer(sources))
         out = F.dropout(fn(normed, ctx), p=self.hidden_dropout, training=self.training)
         if self.probe is not None:
             self.probe.sublayer(self, sublayer, state, out)
         if self.plan.mode == "baseline":
-            return DepthState((), x + out, state.layers_done, state.layout)
+            return DepthState(None, x + out, state.layers_done, state.layout)
         partial = out if state.partial is None else state.partial + out
-        completed = state.completed
+        state = replace(state, partial=partial)
         if self.plan.closes_block(sublayer):
-            completed, partial = completed + (partial,), None
-        return DepthState(completed, partial, state.layers_done, state.layout)
+            state = state.close_block(self.store_capacity)
+        return state
 
     def apply_layer(self, state: DepthState) -> DepthState:
         if state.layers_done != self.layer_index:
             raise RuntimeError(
                 f"layer {self.layer_index} got a depth state after {state.layers_done} layers"
             )
-        ctx = sequence_context(self.layer.config, state.sources()[0], self.rotary_base)
+        ref = state.partial if state.store is None else state.store[0]
+        ctx = sequence_context(self.layer.config, ref, self.rotary_base)
         ctx = with_layout(ctx, state.layout)
-        first = 2 * self.layer_index + 1
+        first = self.first_sublayer
         state = self._sublayer(state, first, ctx)
         state = self._sublayer(state, first + 1, ctx)
-        return DepthState(state.completed, state.partial, self.layer_index + 1, state.layout)
+        return replace(state, layers_done=self.layer_index + 1)
 
     def forward(self, state: DepthState) -> DepthState:
         if state.layers_done > self.layer_index:
@@ -129,18 +139,23 @@ class AttnResLayer(torch.nn.Module):
         group = self.group
         num_completed, has_partial = self.plan.state_after(2 * state.layers_done)
 
+        grown = {}  # the buffer the group's store grew into, for the layers after it
+
         def run_group(*tensors):
-            inner = DepthState.from_tensors(
-                tensors, num_completed, has_partial, state.layers_done, state.layout
+            inner = DepthState.from_parts(
+                tensors, num_completed, has_partial, state.layers_done, state.buffer, state.layout
             )
             for layer in group:
                 inner = layer.apply_layer(inner)
-            return inner.tensors()
+            grown["buffer"] = inner.buffer
+            return inner.parts()
 
-        outputs = checkpoint(run_group, *state.tensors(), use_reentrant=False)
+        outputs = checkpoint(run_group, *state.parts(), use_reentrant=False)
         done = state.layers_done + len(group)
         completed, partial = self.plan.state_after(2 * done)
-        return DepthState.from_tensors(outputs, completed, partial, done, state.layout)
+        return DepthState.from_parts(
+            outputs, completed, partial, done, grown.get("buffer"), state.layout
+        )
 
 
 def configure_recompute(layers: list[AttnResLayer], mode: str, interval: int = 1) -> None:

@@ -1,32 +1,100 @@
 """The depth-attention state that flows from layer to layer within one forward pass.
 
-``DepthState`` holds the completed block representations (``b_0`` = embedding first), the
-partial block of the block being filled (or None right after a block closed), and how many
-transformer layers have been applied. It is created by the embedding for one micro-batch and
-dropped after the head: nothing survives between micro-batches, batches, or train and eval.
+``DepthState`` holds the completed block representations (``b_0`` = embedding first) as ONE
+tensor, the *store* ``[c, s, b, h]``, so that attention over the completed blocks is one
+batched read and a stage boundary sends the store plus the partial block; the partial block of
+the block being filled (or None right after a block closed); how many transformer layers have
+been applied; and, for two-phase depth attention, the phase-1 results of the segment being run
+(``Phase1Cache``, never part of a payload). It is created by the embedding for one micro-batch
+and dropped after the head: nothing survives between micro-batches, batches, or train and eval.
+
+The store grows into a preallocated buffer (``capacity`` rows, fixed by the block plan for the
+layers that will run on it): closing a block writes one row, so a forward pass copies each
+block once. Each store the model sees is a separate tensor aliasing the buffer's leading rows
+(``_alias``), with its own version counter: writing row ``c`` does not invalidate a smaller
+store that an autograd node saved (those rows never change), which a view of the buffer would.
+``_Append`` routes the gradients: its backward hands the leading rows' gradient to the previous
+store and the new row's to the block it appended.
 
 With Megatron's document options the state also carries the micro-batch's ``DocumentLayout``
 (per-sample positions and attention mask, ``model/document_masks.py``); it is data, not a
 source, and every layer hands it on unchanged.
 
-Baseline mode uses the same container with no completed blocks and the running hidden state as
-the partial, so every layer speaks one interface.
+Baseline mode uses the same container with no store and the running hidden state as the
+partial, so every layer speaks one interface.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 
+def _alias(buffer: torch.Tensor, rows: int) -> torch.Tensor:
+    """The first ``rows`` rows of ``buffer`` as a fresh tensor (not a view, own version counter)."""
+    out = torch.empty(0, dtype=buffer.dtype, device=buffer.device)
+    return out.set_(buffer.untyped_storage(), 0, (rows, *buffer.shape[1:]), buffer.stride())
+
+
+def _is_prefix_of(store: torch.Tensor, buffer: torch.Tensor) -> bool:
+    return (
+        store.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        and store.storage_offset() == 0
+        and store.stride() == buffer.stride()
+        and store.dtype == buffer.dtype
+    )
+
+
+class _Append(torch.autograd.Function):
+    """``cat([store, row[None]])`` written into ``buffer`` in place, returned as an alias."""
+
+    @staticmethod
+    def forward(ctx, store, row, buffer):
+        c = store.shape[0]
+        if not _is_prefix_of(store, buffer):
+            buffer[:c].copy_(store)
+        buffer[c].copy_(row)
+        ctx.rows = c
+        return _alias(buffer, c + 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[: ctx.rows], grad[ctx.rows], None
+
+
+@dataclass(frozen=True)
+class Phase1Cache:
+    """Phase-1 results of one segment: sublayers ``first ..`` over the first ``rows`` blocks."""
+
+    first: int  # the segment's first sublayer (1-based)
+    rows: int  # completed blocks phase 1 attended over
+    out1: torch.Tensor  # [S', s, b, h] float32
+    lse: torch.Tensor  # [S', s, b] float32
+
+
 @dataclass(frozen=True)
 class DepthState:
-    completed: tuple[torch.Tensor, ...]
+    store: torch.Tensor | None  # [c, s, b, h] completed blocks; None in baseline mode
     partial: torch.Tensor | None
     layers_done: int = 0
     layout: Any = None  # DocumentLayout or None (plain causal attention, positions 0 .. s-1)
+    buffer: torch.Tensor | None = None  # storage the store grows into (plain tensor, no grad)
+    phase1: Phase1Cache | None = None
+
+    @staticmethod
+    def start(v0: torch.Tensor, layout=None) -> DepthState:
+        """The state right after the embedding: ``b_0 = v_0``, no partial block."""
+        return DepthState(v0.unsqueeze(0), None, 0, layout)
+
+    @property
+    def num_completed(self) -> int:
+        return 0 if self.store is None else self.store.shape[0]
+
+    @property
+    def completed(self) -> tuple[torch.Tensor, ...]:
+        return () if self.store is None else tuple(self.store.unbind(0))
 
     def sources(self) -> list[torch.Tensor]:
         """What the next depth attention reads: completed blocks, then the partial block."""
@@ -37,15 +105,79 @@ class DepthState:
 
     @property
     def width(self) -> int:
-        return len(self.completed) + int(self.partial is not None)
+        return self.num_completed + int(self.partial is not None)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The sources one by one (views of the store)."""
         return tuple(self.sources())
+
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        """The state as few tensors: the store, then the partial block if any."""
+        out = () if self.store is None else (self.store,)
+        return out if self.partial is None else (*out, self.partial)
+
+    def append(self, row: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(store with ``row`` appended, the buffer holding it); grows into ``self.buffer``."""
+        c = self.num_completed
+        buffer = self.buffer
+        if self.store is None:
+            return row.unsqueeze(0), None
+        if buffer is None or buffer.shape[0] <= c or not _is_prefix_of(self.store, buffer):
+            buffer = torch.empty(
+                (max(capacity, c + 1), *self.store.shape[1:]),
+                dtype=self.store.dtype,
+                device=self.store.device,
+            )
+        return _Append.apply(self.store, row.to(self.store.dtype), buffer), buffer
+
+    def close_block(self, capacity: int) -> DepthState:
+        """The partial block appended to the store; no partial block after it."""
+        store, buffer = self.append(self.partial, capacity)
+        return replace(self, store=store, partial=None, buffer=buffer)
+
+    def payload(self) -> torch.Tensor:
+        """ONE tensor ``[k, s, b, h]``: the store, plus the partial block as its last row."""
+        if self.store is None:
+            return self.partial.unsqueeze(0)
+        if self.partial is None:
+            return self.store
+        return self.append(self.partial, self.num_completed + 1)[0]
+
+    def to(self, dtype: torch.dtype) -> DepthState:
+        """The state with every tensor in ``dtype`` (the phase-1 cache stays float32)."""
+        store, buffer = self.store, self.buffer
+        if store is not None and store.dtype != dtype:
+            store, buffer = store.to(dtype), None
+        partial = None if self.partial is None else self.partial.to(dtype)
+        return replace(self, store=store, partial=partial, buffer=buffer)
+
+    @staticmethod
+    def from_parts(
+        parts, num_completed: int, has_partial: bool, layers_done: int, buffer=None, layout=None
+    ) -> DepthState:
+        """Inverse of :meth:`parts` (``buffer``: where the store may keep growing)."""
+        parts = tuple(parts)
+        store = parts[0] if num_completed else None
+        partial = parts[-1] if has_partial else None
+        if len(parts) != int(num_completed > 0) + int(has_partial):
+            raise ValueError(f"depth state parts: got {len(parts)} tensors")
+        return DepthState(store, partial, layers_done, layout, buffer)
+
+    @staticmethod
+    def from_payload(
+        payload: torch.Tensor, num_completed: int, has_partial: bool, layers_done: int
+    ) -> DepthState:
+        """Inverse of :meth:`payload`: views of the received tensor, no copy."""
+        if num_completed == 0:
+            return DepthState(None, payload[0] if has_partial else None, layers_done)
+        partial = payload[num_completed] if has_partial else None
+        return DepthState(payload[:num_completed], partial, layers_done)
 
     @staticmethod
     def from_tensors(
         tensors, num_completed: int, has_partial: bool, layers_done: int, layout=None
     ) -> DepthState:
+        """A state from its sources one by one (the store is stacked: one copy)."""
         tensors = tuple(tensors)
         if len(tensors) != num_completed + int(has_partial):
             raise ValueError(
@@ -54,4 +186,5 @@ class DepthState:
             )
         partial = tensors[-1] if has_partial else None
         completed = tensors[:-1] if has_partial else tensors
-        return DepthState(completed, partial, layers_done, layout)
+        store = torch.stack(completed) if completed else None
+        return DepthState(store, partial, layers_done, layout)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from attnres_dist.model.attnres_layer import DepthMixer
 from attnres_dist.model.block_plan import BlockPlan
+from attnres_dist.model.depth_mixing import DepthMixer
 from attnres_dist.model.depth_state import DepthState
 from attnres_dist.model.document_masks import DocumentOptions, document_layout
 
@@ -76,8 +76,8 @@ class Embedding(torch.nn.Module):
         if self.documents is not None and self.documents.per_sample:
             layout = document_layout(tokens, self.documents)
         if self.plan.mode == "baseline":
-            return DepthState((), v0, 0, layout)
-        return DepthState((v0,), None, 0, layout)
+            return DepthState(None, v0, 0, layout)
+        return DepthState.start(v0, layout)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head: vocabulary-sharded logits ``[s, b, v / tp]``."""
@@ -103,6 +103,8 @@ class FinalAggregation(torch.nn.Module):
             )
         if self.plan.mode == "baseline":
             hidden = state.partial
+        elif self.mixer.two_phase:
+            hidden = self.mixer.attend_store(state)
         else:
             hidden = self.mixer(state.sources())
         if self.probe is not None:

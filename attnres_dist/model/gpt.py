@@ -24,10 +24,12 @@ import torch
 from attnres_dist.model import megatron_compat
 from attnres_dist.model.attnres_layer import AttnResLayer, configure_recompute
 from attnres_dist.model.block_plan import BlockPlan
+from attnres_dist.model.depth_mixing import configure_segments
 from attnres_dist.model.document_masks import DocumentOptions, loss_mask
 from attnres_dist.model.embedding_head import Embedding, FinalAggregation, OutputLayer, lm_loss
 from attnres_dist.model.megatron_config import padded_vocab_size, transformer_config
 from attnres_dist.runtime import RuntimeChoice, kernels
+from attnres_dist.runtime.select import select_depth_attention
 from attnres_dist.train.config import ModelConfig
 
 
@@ -62,6 +64,16 @@ class ModelBuilder:
         self.vocab_size = padded_vocab_size(vocab_size, model.make_vocab_size_divisible_by, tp)
         self.config = transformer_config(model, tp=tp, dtype=dtype, on_gpu=self.runtime.on_gpu)
         self.seed = seed
+        self.depth_attention = self._depth_attention()
+
+    def _depth_attention(self) -> str:
+        """The implementation the mixers run: the config's name, or what ``auto`` resolved to
+        (the run's RuntimeChoice; for callers without one, resolved for this device)."""
+        requested = self.model.attnres.impl
+        chosen = self.runtime.depth_attention
+        if requested == "auto" and chosen is not None:
+            return chosen.value
+        return select_depth_attention(requested, self.runtime.device.value).value
 
     @property
     def num_parts(self) -> int:
@@ -84,14 +96,14 @@ class ModelBuilder:
                 megatron_layer,
                 self.plan,
                 index,
-                impl=self.model.attnres.impl,
+                impl=self.depth_attention,
                 rotary_base=self.model.rotary_base,
             )
         return kernels.autocast_part(part, self.runtime)
 
     def final(self) -> FinalAggregation:
         with seeded(self.seed, "final"):
-            part = FinalAggregation(self.config, self.plan, impl=self.model.attnres.impl)
+            part = FinalAggregation(self.config, self.plan, impl=self.depth_attention)
         norm = kernels.final_norm(self.runtime, self.config)  # gain init 1: no RNG drawn
         if norm is not None:
             part.final_norm = norm
@@ -117,6 +129,7 @@ class AttnResGPT(torch.nn.Module):
         if not self.tie_embeddings:
             self.output = builder.output()
         configure_recompute(list(self.layers), recompute, recompute_interval)
+        configure_segments(list(self.layers), self.plan)
         # DeepSpeed moves the pipeline's parts to the GPU; the single-process model moves itself
         self.device = torch.device("cuda") if builder.runtime.on_gpu else torch.device("cpu")
         self.to(self.device)

@@ -9,10 +9,11 @@ completed blocks for several sublayers at once, and
 store by online softmax). ``requirement()`` says why an implementation cannot run here (None
 when it can), so a config asking for it is refused with that reason.
 
-``"lean"`` is the memory-lean one-pass autograd function and ``"reference"`` the plain-autograd
-ground truth; ``"triton"``, ``"fla"`` and ``"flash_attn_res"`` are the GPU kernels of
-:mod:`attnres_dist.ops.kernel_impls`; other implementations register themselves with
-:func:`register_depth_attention`.
+``"lean"`` is the memory-lean one-pass autograd function, ``"reference"`` the plain-autograd
+ground truth and ``"twophase"`` the two-phase computation in torch ops
+(:mod:`attnres_dist.ops.two_phase`, CPU and GPU); ``"triton"``, ``"fla"`` and
+``"flash_attn_res"`` are the GPU kernels of :mod:`attnres_dist.ops.kernel_impls`; other
+implementations register themselves with :func:`register_depth_attention`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import Tensor
 
 from attnres_dist.ops.depth_attention import depth_attention, validate_inputs
 from attnres_dist.ops.reference import depth_attention_reference
+from attnres_dist.ops.two_phase import phase1, phase2, two_phase_depth_attention
 
 __all__ = [
     "DEFAULT_DEPTH_ATTENTION",
@@ -33,6 +35,7 @@ __all__ = [
     "depth_attention_reference",
     "get_depth_attention",
     "register_depth_attention",
+    "runnable_depth_attention_impls",
     "validate_inputs",
 ]
 
@@ -72,6 +75,7 @@ DEFAULT_DEPTH_ATTENTION = "lean"
 _REGISTRY: dict[str, DepthAttentionImpl] = {
     "lean": DepthAttentionImpl("lean", depth_attention),
     "reference": DepthAttentionImpl("reference", depth_attention_reference),
+    "twophase": DepthAttentionImpl("twophase", two_phase_depth_attention, phase1, phase2),
 }
 
 
@@ -89,6 +93,11 @@ def register_depth_attention(impl: DepthAttentionImpl, *, overwrite: bool = Fals
 def available_depth_attention_impls() -> tuple[str, ...]:
     """Names accepted by :func:`get_depth_attention`, sorted."""
     return tuple(sorted(_REGISTRY))
+
+
+def runnable_depth_attention_impls() -> dict[str, str | None]:
+    """Every registered name mapped to why it cannot run here (None when it can)."""
+    return {name: _REGISTRY[name].requirement() for name in available_depth_attention_impls()}
 
 
 def get_depth_attention(impl: str = DEFAULT_DEPTH_ATTENTION) -> DepthAttentionImpl:

@@ -2,8 +2,9 @@
 
 At a cut after ``j`` transformer layers the receiving stage needs every completed block
 representation plus the partial block, because every later sublayer attends over all of them.
-The sender packs those ``k`` tensors of shape ``[s, b, h]`` into ONE tensor ``[k, s, b, h]``;
-the receiver checks it against the block plan and unbinds it. One tensor, not a tuple: DeepSpeed
+The sender sends ONE tensor ``[k, s, b, h]``: its block store (already one tensor) with the
+partial block as the last row; the receiver checks it against the block plan and takes views of
+it. One tensor, not a tuple: DeepSpeed
 back-propagates a tuple payload one element at a time and its checkpointing crashes on tuples
 (DESIGN.md section 3). ``k`` per boundary is fixed by the config, so shapes are sent once.
 Baseline carries the single hidden state (``k = 1``); a cut between the final aggregation and
@@ -28,8 +29,9 @@ class PayloadError(RuntimeError):
 
 
 def pack(state: DepthState) -> torch.Tensor:
-    """``k`` tensors ``[s, b, h]`` -> one ``[k, s, b, h]``."""
-    return torch.stack(state.tensors())
+    """The state as one ``[k, s, b, h]``: the block store with the partial block as its last
+    row (written into the store's buffer: no copy of the completed blocks)."""
+    return state.payload()
 
 
 def unpack(payload: torch.Tensor, plan: BlockPlan, layers_done: int, boundary: str) -> DepthState:
@@ -42,7 +44,7 @@ def unpack(payload: torch.Tensor, plan: BlockPlan, layers_done: int, boundary: s
             f"{boundary}: received payload {got}, but the block plan ({plan.describe()}) puts "
             f"{expected} tensors [k={expected}, s, b, h] at the cut after {layers_done} layers"
         )
-    return DepthState.from_tensors(payload.unbind(0), completed, has_partial, layers_done)
+    return DepthState.from_payload(payload, completed, has_partial, layers_done)
 
 
 @dataclass(frozen=True)

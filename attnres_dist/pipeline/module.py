@@ -30,6 +30,7 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from attnres_dist.model.attnres_layer import configure_recompute
+from attnres_dist.model.depth_mixing import configure_segments
 from attnres_dist.model.depth_state import DepthState
 from attnres_dist.model.document_masks import document_layout
 from attnres_dist.model.embedding_head import lm_loss
@@ -135,6 +136,7 @@ class AttnResPipelineModule(PipelineModule):
         )
         local_layers = [f.block for f in self.forward_funcs if isinstance(f, LayerPipe)]
         configure_recompute(local_layers, recompute, recompute_interval)
+        configure_segments(local_layers, self.plan)
 
     def _partition_layers(self, method="fixed"):
         if len(self._fixed_parts) != self.num_stages + 1:

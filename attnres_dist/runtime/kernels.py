@@ -90,9 +90,7 @@ def _autocast(method, device_type: str, dtype: torch.dtype):
 
 def _cast(out, dtype: torch.dtype):
     if isinstance(out, DepthState):
-        partial = None if out.partial is None else out.partial.to(dtype)
-        completed = tuple(t.to(dtype) for t in out.completed)
-        return DepthState(completed, partial, out.layers_done, out.layout)
+        return out.to(dtype)
     if torch.is_tensor(out) and out.is_floating_point():
         return out.to(dtype)
     return out

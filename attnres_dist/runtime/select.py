@@ -9,6 +9,11 @@ explicit request is honoured or refused: asking for a path this machine cannot r
 bf16 is GPU-only for a further reason: Megatron's linear layers re-enter autocast in their
 backward for CUDA only, so a CPU-autocast backward fails on a bf16/fp32 matmul.
 
+The depth-attention implementation (``model.attnres.impl``) is resolved here too: ``auto``
+takes the ``triton`` kernel on a CUDA device when its requirement is met, else the torch
+two-phase ops (``twophase``), which are also the CPU choice: measured side by side on 2 CPU
+threads they beat the lean one-pass op at every shape run here (docs/performance.md).
+
 Every choice carries the reason it was made; ``RuntimeChoice.describe()`` is the one line the
 trainer prints at start-up.
 """
@@ -20,7 +25,10 @@ from dataclasses import dataclass, fields
 import torch
 
 from attnres_dist.errors import ConfigError
+from attnres_dist.ops import runnable_depth_attention_impls
 from attnres_dist.runtime import probes
+
+IMPL_FIELD = "model.attnres.impl"
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,8 @@ class RuntimeChoice:
     norm: Choice  # apex | torch
     optimizer: Choice  # apex | torch
     dtype: Choice  # bf16 | fp32
+    # a registered implementation name; None: the builder resolves the model config's impl
+    depth_attention: Choice | None = None
 
     @classmethod
     def reference(cls) -> RuntimeChoice:
@@ -75,6 +85,7 @@ class RuntimeChoice:
 
     def describe(self) -> str:
         choices = {f.name: getattr(self, f.name) for f in fields(self)}
+        choices = {k: c for k, c in choices.items() if c is not None}
         return "runtime: " + "; ".join(f"{k}={c.value} ({c.reason})" for k, c in choices.items())
 
 
@@ -116,8 +127,31 @@ def _pick(
     return Choice(fast, probe.detail if requested == "auto" else f"set in config; {probe.detail}")
 
 
-def select_runtime(runtime) -> RuntimeChoice:
-    """Resolve a ``RuntimeConfig`` (``auto`` or explicit values) against this machine."""
+def select_depth_attention(requested: str, device: str) -> Choice:
+    """Resolve ``model.attnres.impl`` (``auto`` or a registered name) for ``device``."""
+    why_not = runnable_depth_attention_impls()
+    if requested == "auto":
+        if device == "cuda":
+            if why_not.get("triton", "not registered") is None:
+                return Choice("triton", "auto: CUDA device and the Triton two-phase kernel")
+            reason = why_not.get("triton", "not registered")
+            return Choice("twophase", f"auto: torch two-phase ops (triton: {reason})")
+        return Choice("twophase", "auto: on CPU the torch two-phase ops are the fastest")
+    if requested not in why_not:
+        allowed = ", ".join(["auto", *why_not])
+        raise ConfigError(IMPL_FIELD, f"got {requested!r}; allowed: {allowed}")
+    if why_not[requested] is not None:
+        here = ", ".join(["auto", *(name for name, why in why_not.items() if why is None)])
+        raise ConfigError(
+            IMPL_FIELD,
+            f"{requested!r} cannot run here: {why_not[requested]}; available here: {here}",
+        )
+    return Choice(requested, "set in config")
+
+
+def select_runtime(runtime, depth_attention: str = "auto") -> RuntimeChoice:
+    """Resolve a ``RuntimeConfig`` (``auto`` or explicit values) against this machine, with
+    the model's depth-attention implementation (``model.attnres.impl``)."""
     p = _Probes()
     cuda = p.get("cuda")
     device = Choice("cuda" if cuda.ok else "cpu", cuda.detail)
@@ -134,4 +168,5 @@ def select_runtime(runtime) -> RuntimeChoice:
     dtype = _pick(p, "dtype", runtime.dtype, "bf16", "fp32", "fp32", "bf16")
     if dtype.value == "bf16":
         dtype = Choice("bf16", f"{dtype.reason}; autocast, fp32 master weights")
-    return RuntimeChoice(device, layer_spec, norm, optimizer, dtype)
+    impl = select_depth_attention(depth_attention, device.value)
+    return RuntimeChoice(device, layer_spec, norm, optimizer, dtype, impl)

@@ -25,7 +25,7 @@ from attnres_dist.train.config_rules import validate
 class AttnResConfig:
     mode: str = "block"  # baseline | full | block
     block_size: int = 2  # sublayers per block (block mode); 1 = full
-    impl: str = "lean"  # depth-attention implementation: lean | reference
+    impl: str = "auto"  # depth-attention implementation: auto or a registered one
 
 
 @dataclass

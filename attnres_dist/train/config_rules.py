@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from attnres_dist.data.blend import parse_blend, parse_split
 from attnres_dist.errors import ConfigError
 from attnres_dist.model.block_plan import MODES
+from attnres_dist.ops import available_depth_attention_impls
 
 if TYPE_CHECKING:
     from attnres_dist.train.config import Config, RuntimeConfig
@@ -60,10 +61,11 @@ def validate(cfg: Config) -> None:
         "model.attnres.mode",
         f"got {m.attnres.mode!r}; allowed: {', '.join(MODES)}",
     )
-    _require(
-        m.attnres.impl in ("lean", "reference"),
+    impls = ("auto", *available_depth_attention_impls())
+    _require(  # whether this machine can run it is decided at start-up (select_runtime)
+        m.attnres.impl in impls,
         "model.attnres.impl",
-        f"got {m.attnres.impl!r}; allowed: lean, reference",
+        f"got {m.attnres.impl!r}; allowed: {', '.join(impls)}",
     )
     m.block_plan()  # raises on an invalid block size
 

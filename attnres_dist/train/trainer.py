@@ -101,7 +101,8 @@ class Trainer:
         check_wandb(cfg.output.wandb)
         self.train_data, self.valid_data, self.test_data, self.meta = resolve_dataset(cfg)
         vocab = model_vocab_size(cfg, self.meta)
-        self.runtime = select_runtime(cfg.runtime)  # fast paths; refusals are ConfigErrors
+        # fast paths; refusals are ConfigErrors
+        self.runtime = select_runtime(cfg.runtime, cfg.model.attnres.impl)
         # so does choosing the checkpoint to resume: missing, damaged or foreign ones are bad input
         self.checkpoints = Checkpointing.for_run(cfg, self.meta, vocab, self.dims.tp)
         self.launch = init_distributed(

@@ -1,0 +1,127 @@
+"""Depth mixing in the model: the mixers, and the two-phase schedule over segments.
+
+``DepthMixer`` is one sublayer's softmax attention over depth (its zero-initialised
+pseudo-query and its key RMSNorm gain) run by the configured implementation.
+
+With a two-phase implementation (the registry's ``two_phase``), sublayers are grouped into
+*segments*: consecutive sublayers of one stage that attend over the same completed blocks.
+At a segment's first sublayer, phase 1 attends the queries of all its sublayers over the store
+in one batched pass; each sublayer then merges what is not in that store (phase 2). Segments:
+
+* Block AttnRes: a block, cut where a stage or a full-recompute group starts inside it; phase 2
+  merges the partial block.
+* Full AttnRes (and block size 1, which is the same model): groups of ``FULL_GROUP``
+  consecutive sublayers (aligned to multiples of it, cut the same way); phase 2 merges the
+  group's own earlier outputs, which are the store's last rows. Per sublayer this reads the
+  ``c`` earlier sources once per group plus on average ``(G - 1) / 2`` group sources, so
+  ``G ~ sqrt(2 c)`` balances the two; 8 suits the depths run here (c up to ~64).
+
+The phase-1 results live in the state (``Phase1Cache``) until the segment ends; they never
+cross a stage boundary. One-pass implementations (``lean``, ``reference``) read
+``state.sources()`` as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from attnres_dist.model.block_plan import BlockPlan
+from attnres_dist.model.depth_state import DepthState, Phase1Cache
+from attnres_dist.ops import get_depth_attention
+
+FULL_GROUP = 8  # phase-1 batch of Full AttnRes (sublayers)
+
+
+class DepthMixer(torch.nn.Module):
+    """Softmax attention over depth with a learned pseudo-query (zero at init) and key gain."""
+
+    def __init__(self, hidden_size: int, impl: str = "lean", eps: float = 1e-6):
+        super().__init__()
+        self.query = torch.nn.Parameter(torch.zeros(hidden_size))
+        self.key_norm_weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.impl = impl
+        self._op = get_depth_attention(impl)
+
+    @property
+    def two_phase(self) -> bool:
+        return self._op.two_phase
+
+    def forward(self, sources, return_weights: bool = False):
+        return self._op(
+            self.query, sources, self.key_norm_weight, eps=self.eps, return_weights=return_weights
+        )
+
+    def merge(self, out1: torch.Tensor, lse: torch.Tensor, extra, dtype: torch.dtype):
+        """Phase 2: this sublayer's phase-1 slice merged with ``extra`` (None: nothing)."""
+        if extra is None:
+            return out1.to(dtype)
+        return self._op.phase2(out1, lse, extra, self.query, self.key_norm_weight, eps=self.eps)
+
+    def attend_store(self, state: DepthState) -> torch.Tensor:
+        """The whole two-phase mix for this mixer alone (the final aggregation)."""
+        out1, lse = self._op.phase1(
+            state.store, self.query.unsqueeze(0), self.key_norm_weight.unsqueeze(0), eps=self.eps
+        )
+        extra = None if state.partial is None else state.partial.unsqueeze(0)
+        return self.merge(out1[0], lse[0], extra, state.store.dtype)
+
+
+@dataclass
+class Segment:
+    """Consecutive local sublayers ``first ..`` whose queries phase 1 runs together."""
+
+    first: int
+    mixers: list[DepthMixer]
+
+    def begin(self, state: DepthState) -> DepthState:
+        """The state with this segment's phase-1 results (computed at its first sublayer)."""
+        cache = state.phase1
+        if cache is not None and cache.first == self.first:
+            return state
+        op, eps = self.mixers[0]._op, self.mixers[0].eps
+        queries = torch.stack([m.query for m in self.mixers])
+        gains = torch.stack([m.key_norm_weight for m in self.mixers])
+        out1, lse = op.phase1(state.store, queries, gains, eps=eps)
+        return replace(state, phase1=Phase1Cache(self.first, state.num_completed, out1, lse))
+
+
+def merge_inputs(state: DepthState, sublayer: int):
+    """(out1, lse, extra) of ``sublayer`` from the state's phase-1 results; extra may be None."""
+    cache = state.phase1
+    k = sublayer - cache.first
+    extra = []
+    if state.num_completed > cache.rows:  # Full: the group's earlier outputs
+        extra.append(state.store[cache.rows :])
+    if state.partial is not None:  # Block: the partial block
+        extra.append(state.partial.unsqueeze(0))
+    extra = None if not extra else extra[0] if len(extra) == 1 else torch.cat(extra)
+    return cache.out1[k], cache.lse[k], extra
+
+
+def configure_segments(layers: list, plan: BlockPlan) -> None:
+    """Give consecutive local layers their segments and the store capacity of their range.
+
+    Call after ``configure_recompute``: full-recompute groups cut segments (a recomputed group
+    starts from its input state, without the phase-1 results of the group before it).
+    """
+    if not layers or plan.mode == "baseline":
+        return
+    size = plan.effective_block_size
+    group = FULL_GROUP if size == 1 else size
+    capacity = plan.boundary_width(layers[-1].layer_index + 1)
+    segments: dict[tuple, Segment] = {}
+    for layer in layers:
+        layer.store_capacity = capacity
+        recompute_group = id(layer.group) if layer.recompute == "full" else None
+        layer.segments = {}
+        for sublayer, mixer in (
+            (layer.first_sublayer, layer.attn_mixer),
+            (layer.first_sublayer + 1, layer.mlp_mixer),
+        ):
+            key = (recompute_group, (sublayer - 1) // group)
+            segment = segments.setdefault(key, Segment(sublayer, []))
+            segment.mixers.append(mixer)
+            layer.segments[sublayer] = segment

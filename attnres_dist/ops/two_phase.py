@@ -1,0 +1,255 @@
+"""Two-phase depth attention in torch ops (the paper's Algorithm 1), CPU and GPU.
+
+The S pseudo-queries of a block do not depend on the input, so they can attend over the
+completed blocks in one batched pass (``phase1``); each sublayer then merges the sources that
+are not in the store (the partial block, or a Full group's own earlier outputs) into its
+phase-1 result by online softmax (``phase2``). The merge is exact: the result is the one-pass
+softmax over all sources. Math per token, blocks ``b_j``, queries ``w_l``, gains ``g_l``::
+
+    r_j      = rsqrt(mean(b_j ** 2) + eps)           computed once per block and phase-1 pass
+    logit_lj = r_j * <b_j, u_l>,  u_l = g_l * w_l     one GEMM: [n * T, D] x [D, S]
+    lse_l    = logsumexp_j logit_lj
+    out1_l   = sum_j exp(logit_lj - lse_l) * b_j      one batched matmul over tokens
+
+``phase2`` with extra sources ``e_k`` (logits ``le_k`` as above)::
+
+    LSE  = logaddexp(lse, logsumexp_k le_k)
+    out  = exp(lse - LSE) * out1 + sum_k exp(le_k - LSE) * e_k
+
+Both are ``torch.autograd.Function``s with hand-derived backwards that save only their inputs
+and per-token statistics (``[n, T]`` / ``[S, T]`` floats): no normalised keys, no
+upcast copies, no ``[S, n, T, D]`` products. All arithmetic is float32 (float64 stays float64);
+``phase2`` casts to the sources' dtype once, at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from attnres_dist.ops.depth_attention import compute_dtype, depth_attention, validate_inputs
+
+
+def _key_stats(flat: Tensor, eps: float) -> Tensor:
+    """``rsqrt(mean(x ** 2) + eps)`` over the last dim of ``flat`` [rows, D] (compute dtype)."""
+    dim = flat.shape[-1]
+    # ||x||^2 / D == mean(x^2): one fused reduction, no x*x temporary.
+    return torch.linalg.vector_norm(flat, dim=-1).square_().mul_(1.0 / dim).add_(eps).rsqrt_()
+
+
+def _check_phase1(blocks: Tensor, queries: Tensor, norm_weights: Tensor) -> None:
+    if not isinstance(blocks, Tensor) or blocks.dim() < 2 or blocks.shape[0] < 1:
+        got = tuple(blocks.shape) if isinstance(blocks, Tensor) else type(blocks).__name__
+        raise ValueError(f"blocks must have shape [n >= 1, *batch, D], got {got}")
+    if not blocks.is_floating_point():
+        raise ValueError(f"blocks must be floating point, got {blocks.dtype}")
+    dim = blocks.shape[-1]
+    for name, t in (("queries", queries), ("norm_weights", norm_weights)):
+        if not isinstance(t, Tensor) or t.dim() != 2 or t.shape[1] != dim:
+            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must have shape [S, D={dim}], got {got}")
+        if t.device != blocks.device:
+            raise ValueError(f"{name} is on {t.device} but blocks are on {blocks.device}")
+    if queries.shape != norm_weights.shape:
+        raise ValueError(
+            f"queries {tuple(queries.shape)} and norm_weights {tuple(norm_weights.shape)} differ"
+        )
+
+
+class _Phase1(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, blocks, queries, norm_weights, eps):
+        n, dim = blocks.shape[0], blocks.shape[-1]
+        batch = blocks.shape[1:-1]
+        dtype = compute_dtype(blocks.dtype)
+        b = blocks.reshape(n, -1, dim).to(dtype)  # [n, T, D]; no copy for fp32 input
+        tokens, s = b.shape[1], queries.shape[0]
+        u = norm_weights.to(dtype) * queries.to(dtype)  # [S, D]
+        flat = b.reshape(n * tokens, dim)
+        rstd = _key_stats(flat, eps)  # [n * T]
+        logits = torch.mm(flat, u.t()).mul_(rstd.unsqueeze(1)).view(n, tokens, s)
+        lse = torch.logsumexp(logits, dim=0)  # [T, S]
+        p = logits.sub_(lse).exp_()  # [n, T, S], in place: the logits are not kept
+        # out1[t] = p[:, t, :]^T @ b[:, t, :]: one batched matmul over tokens.
+        out1 = torch.bmm(p.permute(1, 2, 0), b.transpose(0, 1))  # [T, S, D]
+        out1 = out1.transpose(0, 1).contiguous()  # [S, T, D]
+        lse = lse.t().contiguous()  # [S, T]
+        ctx.save_for_backward(blocks, queries, norm_weights, rstd, lse)
+        ctx.eps = eps
+        ctx.set_materialize_grads(False)
+        return out1.view(s, *batch, dim), lse.view(s, *batch)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out1, grad_lse):
+        blocks, queries, norm_weights, rstd, lse = ctx.saved_tensors
+        n, dim = blocks.shape[0], blocks.shape[-1]
+        dtype = compute_dtype(blocks.dtype)
+        b = blocks.reshape(n, -1, dim).to(dtype)
+        tokens, s = b.shape[1], queries.shape[0]
+        u = norm_weights.to(dtype) * queries.to(dtype)
+        flat = b.reshape(n * tokens, dim)
+        logits = torch.mm(flat, u.t()).mul_(rstd.unsqueeze(1)).view(n, tokens, s)
+        p = (logits - lse.t()).exp_()  # [n, T, S]
+        d_logit = torch.zeros_like(p)
+        g_t = None
+        if grad_out1 is not None:
+            g = grad_out1.reshape(s, tokens, dim).to(dtype)
+            g_t = g.transpose(0, 1)  # [T, S, D]
+            # d p_lj = <G_l, b_j>; the softmax's backward subtracts sum_j p_lj d p_lj (formed
+            # from d p itself, so a single block gets exactly zero logit gradient)
+            d_p = torch.bmm(b.transpose(0, 1), g_t.transpose(1, 2)).transpose(0, 1)  # [n, T, S]
+            d_logit += d_p
+            d_logit -= (p * d_p).sum(dim=0)
+        if grad_lse is not None:
+            d_logit += grad_lse.reshape(s, tokens).to(dtype).t()
+        d_logit.mul_(p)
+        d_flat = d_logit.view(n * tokens, s)
+        need_b, need_q, need_g = ctx.needs_input_grad[:3]
+        grad_b = grad_q = grad_g = None
+        if need_b:
+            # d b_j = sum_l p_lj G_l + r_j * sum_l dlogit_lj u_l - r_j^2 / D * c_j * b_j,
+            # c_j = sum_l dlogit_lj * logit_lj
+            coef = (d_logit * logits).sum(dim=-1).view(-1).mul_(rstd.square() * (-1.0 / dim))
+            gb = torch.mm(d_flat, u).mul_(rstd.unsqueeze(1))
+            gb.addcmul_(flat, coef.unsqueeze(1))
+            gb = gb.view(n, tokens, dim)
+            if g_t is not None:
+                gb.transpose(0, 1).baddbmm_(p.transpose(0, 1), g_t)
+            grad_b = gb.to(blocks.dtype).view(blocks.shape)
+        if need_q or need_g:
+            du = torch.mm((d_flat * rstd.unsqueeze(1)).t(), flat)  # [S, D]
+            if need_q:
+                grad_q = (du * norm_weights.to(dtype)).to(queries.dtype)
+            if need_g:
+                grad_g = (du * queries.to(dtype)).to(norm_weights.dtype)
+        return grad_b, grad_q, grad_g, None
+
+
+class _Phase2(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out1, lse, extra, query, norm_weight, eps):
+        m, dim = extra.shape[0], extra.shape[-1]
+        shape = extra.shape[1:]
+        dtype = compute_dtype(extra.dtype)
+        e = extra.reshape(m, -1, dim).to(dtype)  # [m, T, D]
+        tokens = e.shape[1]
+        o1 = out1.reshape(tokens, dim).to(dtype)
+        l1 = lse.reshape(tokens).to(dtype)
+        u = norm_weight.to(dtype) * query.to(dtype)
+        flat = e.reshape(m * tokens, dim)
+        rstd = _key_stats(flat, eps)
+        le = torch.mv(flat, u).mul_(rstd).view(m, tokens)
+        total = torch.logaddexp(l1, torch.logsumexp(le, dim=0))  # [T]
+        a0 = (l1 - total).exp_()
+        ae = (le - total).exp_()  # [m, T]
+        acc = o1 * a0.unsqueeze(1)
+        for k in range(m):
+            acc.addcmul_(e[k], ae[k].unsqueeze(1))
+        ctx.save_for_backward(out1, lse, extra, query, norm_weight, rstd, total)
+        ctx.set_materialize_grads(False)
+        return acc.to(extra.dtype).view(shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        out1, lse, extra, query, norm_weight, rstd, total = ctx.saved_tensors
+        if grad_out is None:
+            return None, None, None, None, None, None
+        m, dim = extra.shape[0], extra.shape[-1]
+        dtype = compute_dtype(extra.dtype)
+        e = extra.reshape(m, -1, dim).to(dtype)
+        tokens = e.shape[1]
+        o1 = out1.reshape(tokens, dim).to(dtype)
+        l1 = lse.reshape(tokens).to(dtype)
+        u = norm_weight.to(dtype) * query.to(dtype)
+        flat = e.reshape(m * tokens, dim)
+        le = torch.mv(flat, u).mul_(rstd).view(m, tokens)
+        a0 = (l1 - total).exp_()
+        ae = (le - total).exp_()
+        g = grad_out.reshape(tokens, dim).to(dtype)
+        d_a0 = (g * o1).sum(dim=-1)  # [T]
+        d_ae = torch.bmm(e.transpose(0, 1), g.unsqueeze(2)).squeeze(2).t()  # [m, T]
+        mean = a0 * d_a0 + (ae * d_ae).sum(dim=0)  # <G, out> in compute dtype
+        d_l1 = a0 * (d_a0 - mean)
+        d_le = ae * (d_ae - mean)  # [m, T]
+        need = ctx.needs_input_grad
+        grad_o1 = (g * a0.unsqueeze(1)).to(out1.dtype).view(out1.shape) if need[0] else None
+        grad_l1 = d_l1.to(lse.dtype).view(lse.shape) if need[1] else None
+        grad_e = grad_q = grad_g = None
+        d_flat = d_le.view(-1)
+        if need[2]:
+            coef = (d_flat * le.view(-1)).mul_(rstd.square() * (-1.0 / dim))
+            ge = torch.outer(d_flat * rstd, u)
+            ge.addcmul_(flat, coef.unsqueeze(1))
+            ge = ge.view(m, tokens, dim)
+            ge.addcmul_(g.unsqueeze(0), ae.unsqueeze(2))
+            grad_e = ge.to(extra.dtype).view(extra.shape)
+        if need[3] or need[4]:
+            du = torch.mv(flat.t(), d_flat * rstd)
+            if need[3]:
+                grad_q = (du * norm_weight.to(dtype)).to(query.dtype)
+            if need[4]:
+                grad_g = (du * query.to(dtype)).to(norm_weight.dtype)
+        return grad_o1, grad_l1, grad_e, grad_q, grad_g, None
+
+
+def phase1(
+    blocks: Tensor, queries: Tensor, norm_weights: Tensor, eps: float = 1e-6
+) -> tuple[Tensor, Tensor]:
+    """Attend the ``S`` queries over the ``n`` completed blocks in one batched pass.
+
+    Args:
+        blocks: ``[n, *batch, D]``, the contiguous store of completed blocks (any float dtype).
+        queries: ``[S, D]`` pseudo-queries ``w_l``.
+        norm_weights: ``[S, D]`` key-norm gains ``g_l``.
+
+    Returns:
+        ``(out1, lse)``: ``out1`` ``[S, *batch, D]`` and ``lse`` ``[S, *batch]`` in float32
+        (float64 for float64 blocks); ``out1_l`` is the softmax-weighted sum of the blocks
+        under query ``l``, ``lse_l`` the log-sum-exp of its logits.
+    """
+    _check_phase1(blocks, queries, norm_weights)
+    return _Phase1.apply(blocks, queries, norm_weights, eps)
+
+
+def phase2(
+    out1: Tensor, lse: Tensor, extra: Tensor, query: Tensor, norm_weight: Tensor, eps: float = 1e-6
+) -> Tensor:
+    """Merge ``extra`` ``[m, *batch, D]`` into one sublayer's phase-1 result by online softmax.
+
+    ``out1`` ``[*batch, D]`` and ``lse`` ``[*batch]`` are that sublayer's slice of
+    :func:`phase1`'s results; ``query`` and ``norm_weight`` are ``[D]``. Returns the one-pass
+    softmax mix over ``blocks ++ extra`` in ``extra``'s dtype.
+    """
+    if extra.dim() < 2 or extra.shape[0] < 1 or extra.shape[1:] != out1.shape:
+        raise ValueError(
+            f"extra must have shape [m >= 1, *batch, D] with [*batch, D] = {tuple(out1.shape)}, "
+            f"got {tuple(extra.shape)}"
+        )
+    if lse.shape != out1.shape[:-1]:
+        raise ValueError(f"lse must have shape {tuple(out1.shape[:-1])}, got {tuple(lse.shape)}")
+    return _Phase2.apply(out1, lse, extra, query, norm_weight, eps)
+
+
+def two_phase_depth_attention(
+    query: Tensor,
+    sources: Sequence[Tensor],
+    norm_weight: Tensor,
+    eps: float = 1e-6,
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """One-pass depth attention built from the phases: phase 1 over all sources but the last,
+    phase 2 merging the last. The softmax weights (diagnostics) come from the lean op."""
+    validate_inputs(query, sources, norm_weight)
+    if return_weights:
+        return depth_attention(query, sources, norm_weight, eps=eps, return_weights=True)
+    head = sources[0].unsqueeze(0) if len(sources) <= 2 else torch.stack(sources[:-1])
+    if len(sources) == 1:
+        out1, _ = phase1(head, query.unsqueeze(0), norm_weight.unsqueeze(0), eps)
+        return out1[0].to(sources[0].dtype)
+    out1, lse = phase1(head, query.unsqueeze(0), norm_weight.unsqueeze(0), eps)
+    return phase2(out1[0], lse[0], sources[-1].unsqueeze(0), query, norm_weight, eps)

@@ -1,0 +1,151 @@
+"""The model's two-phase path (block store, phase 1 per segment, phase 2 per sublayer) against
+the same model on the one-pass reference op: logits and every parameter gradient, for Block
+sizes with uneven last blocks, Full AttnRes, both recompute modes, and stage cuts inside
+blocks (a cut ends a segment; the payload is the store plus the partial block).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnres_dist.bench.saved_bytes import SavedTensorCounter
+from attnres_dist.model.depth_mixing import FULL_GROUP, configure_segments
+from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
+from attnres_dist.parallel.dims import ParallelDims
+from attnres_dist.parallel.process_groups import init_distributed
+from attnres_dist.pipeline.contract import pack, unpack
+from attnres_dist.train.config import load_config
+
+VOCAB = 257
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    init_distributed(ParallelDims(), seed=0)
+
+
+def build(impl, mode="block", block_size=2, num_layers=3, recompute="none", interval=1):
+    cfg = load_config(
+        None,
+        [
+            f"model.num_layers={num_layers}",
+            "model.hidden_size=32",
+            "model.num_attention_heads=4",
+            "model.seq_length=12",
+            f"model.attnres.mode={mode}",
+            f"model.attnres.block_size={block_size}",
+            f"model.attnres.impl={impl}",
+        ],
+    )
+    model = AttnResGPT(ModelBuilder(cfg.model, VOCAB, seed=0), recompute, interval)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "mixer" in name:
+                noise = torch.randn(p.shape, generator=g)
+                p.copy_(noise * 0.5 if "query" in name else 1 + 0.2 * noise)
+    return model
+
+
+def window(batch=2, seq=13):
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+
+def loss_and_grads(model, forward=None):
+    w = window()
+    logits = (forward or model)(w[:, :-1])
+    from attnres_dist.model.embedding_head import lm_loss
+
+    loss = lm_loss(logits, w[:, 1:])
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_same(a, b, tol=1e-5):
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    torch.testing.assert_close(loss_a, loss_b, atol=1e-6, rtol=1e-6)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        e = grads_b[name]
+        err = (grads_a[name] - e).abs().max() / e.abs().max().clamp_min(1e-12)
+        assert err <= tol, (name, err.item())
+
+
+CASES = [("block", 2, 3), ("block", 3, 3), ("block", 4, 3), ("block", 6, 3), ("full", 1, 3)]
+
+
+@pytest.mark.parametrize("mode, size, layers", [*CASES, ("full", 1, 6), ("block", 1, 5)])
+def test_two_phase_model_matches_one_pass(mode, size, layers):
+    ref = loss_and_grads(build("reference", mode, size, layers))
+    assert_same(loss_and_grads(build("twophase", mode, size, layers)), ref)
+
+
+@pytest.mark.parametrize("recompute, interval", [("attnres", 1), ("full", 1), ("full", 2)])
+@pytest.mark.parametrize("mode, size", [("block", 3), ("full", 1)])
+def test_two_phase_recompute_matches_one_pass(recompute, interval, mode, size):
+    ref = loss_and_grads(build("reference", mode, size, 4))
+    assert_same(loss_and_grads(build("twophase", mode, size, 4, recompute, interval)), ref)
+
+
+def test_full_and_block_size_one_are_the_same_model():
+    full, block = build("twophase", "full", 1, 5), build("twophase", "block", 1, 5)
+    assert 2 * 5 > FULL_GROUP  # more than one phase-1 group
+    block.load_state_dict(full.state_dict())
+    assert torch.equal(full(window()[:, :-1]), block(window()[:, :-1]))
+
+
+@pytest.mark.parametrize("mode, size, cut", [("block", 3, 1), ("block", 4, 2), ("full", 1, 2)])
+def test_stage_cut_inside_a_segment(mode, size, cut):
+    """Two 'stages' in one process: each configures its own segments; pack/unpack between."""
+    model = build("twophase", mode, size, 4)
+    first, second = list(model.layers[:cut]), list(model.layers[cut:])
+    configure_segments(first, model.plan)
+    configure_segments(second, model.plan)
+    payloads = []
+
+    def forward(tokens):
+        state = model.embedding(tokens)
+        for layer in first:
+            state = layer(state)
+        payload = pack(state)
+        payloads.append(payload)
+        state = unpack(payload, model.plan, cut, "cut")
+        for layer in second:
+            state = layer(state)
+        return model.embedding.logits(model.final(state))
+
+    ref = loss_and_grads(build("reference", mode, size, 4))
+    assert_same(loss_and_grads(model, forward), ref)
+    assert payloads[0].shape[0] == model.plan.boundary_width(cut)
+
+
+def test_store_grows_in_place_and_payload_shares_it():
+    """Each block is copied once into the store's buffer; the payload is the same storage."""
+    model = build("twophase", "block", 3, 4)  # 8 sublayers: blocks close after 3 and 6
+    state = model.embedding(window()[:, :-1])
+    stores = []
+    for layer in model.layers[:3]:
+        state = layer(state)
+        stores.append(state.store)
+    assert [s.shape[0] for s in stores] == [1, 2, 3]
+    payload = pack(state)  # after 6 sublayers: b_0, two blocks and no partial
+    ptr = payload.untyped_storage().data_ptr()
+    assert stores[1].untyped_storage().data_ptr() == ptr == stores[2].untyped_storage().data_ptr()
+    state = model.layers[3](state)  # sublayers 7, 8 close the last block
+    assert state.store.untyped_storage().data_ptr() == ptr
+    # an earlier store, saved by phase 1, still reads its own rows after later appends
+    torch.testing.assert_close(stores[1], state.store[:2], atol=0, rtol=0)
+    model.embedding.logits(model.final(state)).sum().backward()  # no version-counter error
+
+
+def test_two_phase_saves_less_than_lean_for_backward():
+    """The whole model's saved bytes: the store and phase 1 add no [S, n, tokens, D] tensors."""
+    counts = {}
+    for impl in ("lean", "twophase"):
+        model = build(impl, "block", 2, 4)
+        with SavedTensorCounter() as counter:
+            logits = model(window()[:, :-1])
+        counts[impl] = counter.total_bytes()
+        del logits
+    assert counts["twophase"] <= 1.1 * counts["lean"], counts

@@ -1,0 +1,182 @@
+"""Every depth-attention implementation against the reference, and the two phases against the
+naive definition written out here.
+
+Tolerances (CPU, float32 compute; worst case over the grid, errors relative to the largest
+magnitude of the expected tensor):
+- float32: output and every gradient within 1e-6 of the reference (query and gain gradients,
+  sums over all tokens, reach ~3e-7 relative).
+- bfloat16 sources, compared with the float32 reference on the same values upcast: output and
+  source gradients are rounded to bf16 once (<= 2**-8 relative: asserted at 1e-2); query and
+  gain gradients stay float32 (asserted at 1e-4).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnres_dist.bench.saved_bytes import SavedTensorCounter
+from attnres_dist.ops import (
+    DepthAttentionImpl,
+    depth_attention_reference,
+    get_depth_attention,
+    register_depth_attention,
+    runnable_depth_attention_impls,
+)
+
+NS = [1, 2, 3, 9, 17]
+RUNNABLE = [name for name, why in runnable_depth_attention_impls().items() if why is None]
+TWO_PHASE = [name for name in RUNNABLE if get_depth_attention(name).two_phase]
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    e = expected.double()
+    return ((actual.double() - e).abs().max() / e.abs().max().clamp_min(1e-30)).item()
+
+
+def make(n, shape, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    dim = shape[-1]
+    sources = [
+        (torch.randn(shape, generator=gen, dtype=torch.float64) * (1 + j % 3)).to(dtype)
+        for j in range(n)
+    ]
+    query = torch.randn(dim, generator=gen, dtype=torch.float64) / dim**0.5
+    gain = 1 + 0.5 * torch.randn(dim, generator=gen, dtype=torch.float64)
+    grad = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)  # as backward sees it
+    return sources, query.float(), gain.float(), grad
+
+
+def value_and_grads(fn, sources, query, gain, grad, dtype):
+    leaves = [t.detach().to(dtype).requires_grad_() for t in sources]
+    q, g = query.detach().clone().requires_grad_(), gain.detach().clone().requires_grad_()
+    out = fn(q, leaves, g)
+    grads = torch.autograd.grad((out.float() * grad.float()).sum(), [q, g, *leaves])
+    return out, grads
+
+
+@pytest.mark.parametrize("impl", RUNNABLE)
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_impl_matches_reference(impl, n, dtype):
+    shape = (6, 3, 32)
+    sources, query, gain, grad = make(n, shape, dtype, seed=n)
+    out, grads = value_and_grads(get_depth_attention(impl), sources, query, gain, grad, dtype)
+    ref, ref_grads = value_and_grads(
+        depth_attention_reference, sources, query, gain, grad, torch.float32
+    )
+    assert out.dtype == dtype and all(gr.dtype == dtype for gr in grads[2:])
+    if dtype == torch.float32:
+        for a, e in zip([out, *grads], [ref, *ref_grads], strict=True):
+            assert rel_err(a, e) <= 1e-6
+    else:
+        for a, e in zip([out, *grads[2:]], [ref, *ref_grads[2:]], strict=True):
+            assert rel_err(a, e) <= 1e-2
+        for a, e in zip(grads[:2], ref_grads[:2], strict=True):
+            assert rel_err(a, e) <= 1e-4
+
+
+def naive_mix(sources: list[torch.Tensor], query, gain, eps=1e-6):
+    """Output and log-sum-exp of depth attention, straight from the definition (float64)."""
+    v = torch.stack([s.double() for s in sources])
+    keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * gain.double()
+    logits = (keys * query.double()).sum(-1)
+    return (torch.softmax(logits, 0).unsqueeze(-1) * v).sum(0), torch.logsumexp(logits, 0)
+
+
+@pytest.mark.parametrize("impl", TWO_PHASE)
+@pytest.mark.parametrize("n, s", [(1, 1), (2, 3), (9, 4), (17, 2)])
+def test_phase1_matches_naive_definition(impl, n, s):
+    op = get_depth_attention(impl)
+    gen = torch.Generator().manual_seed(n * 10 + s)
+    blocks = torch.randn(n, 5, 2, 16, generator=gen).requires_grad_()
+    queries = (0.3 * torch.randn(s, 16, generator=gen)).requires_grad_()
+    gains = (1 + 0.3 * torch.randn(s, 16, generator=gen)).requires_grad_()
+    g_out, g_lse = torch.randn(s, 5, 2, 16, generator=gen), torch.randn(s, 5, 2, generator=gen)
+    out1, lse = op.phase1(blocks, queries, gains)
+    assert out1.shape == (s, 5, 2, 16) and lse.shape == (s, 5, 2)
+    assert out1.dtype == lse.dtype == torch.float32
+    loss = (out1 * g_out).sum() + (lse * g_lse).sum()
+    grads = torch.autograd.grad(loss, [blocks, queries, gains])
+
+    b, q, g = (t.detach().double().requires_grad_() for t in (blocks, queries, gains))
+    ref = [naive_mix(list(b), q[i], g[i]) for i in range(s)]
+    ref_out, ref_lse = torch.stack([r[0] for r in ref]), torch.stack([r[1] for r in ref])
+    loss = (ref_out * g_out.double()).sum() + (ref_lse * g_lse.double()).sum()
+    ref_grads = torch.autograd.grad(loss, [b, q, g])
+    for a, e in zip([out1, lse, *grads], [ref_out, ref_lse, *ref_grads], strict=True):
+        assert rel_err(a, e) <= 1e-6
+
+
+@pytest.mark.parametrize("impl", TWO_PHASE)
+@pytest.mark.parametrize("n, m", [(1, 1), (3, 1), (4, 3), (9, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_phase2_completes_the_one_pass_softmax(impl, n, m, dtype):
+    op = get_depth_attention(impl)
+    gen = torch.Generator().manual_seed(n * 10 + m)
+    blocks = torch.randn(n, 5, 2, 16, generator=gen).to(dtype)
+    extra = (2 * torch.randn(m, 5, 2, 16, generator=gen)).to(dtype).requires_grad_()
+    query = (0.3 * torch.randn(16, generator=gen)).requires_grad_()
+    gain = (1 + 0.3 * torch.randn(16, generator=gen)).requires_grad_()
+    grad = torch.randn(5, 2, 16, generator=gen).to(dtype).float()  # as backward sees it
+    out1, lse = op.phase1(blocks, query.detach()[None], gain.detach()[None])
+    out1, lse = out1[0].requires_grad_(), lse[0].requires_grad_()
+    out = op.phase2(out1, lse, extra, query, gain)
+    assert out.dtype == dtype
+    grads = torch.autograd.grad((out.float() * grad).sum(), [out1, lse, extra, query, gain])
+
+    # expected: the naive mix over blocks ++ extra; gradients of out1 and lse through the
+    # identity out = a0 * out1 + ..., a0 = exp(lse - LSE) (float64 autograd)
+    o1, l1 = out1.detach().double().requires_grad_(), lse.detach().double().requires_grad_()
+    e, q, g = (t.detach().double().requires_grad_() for t in (extra, query, gain))
+    ek = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6) * g
+    le = (ek * q).sum(-1)
+    total = torch.logsumexp(torch.cat([l1[None], le]), 0)
+    ref = torch.exp(l1 - total)[..., None] * o1 + (torch.exp(le - total)[..., None] * e).sum(0)
+    ref_grads = torch.autograd.grad((ref * grad.double()).sum(), [o1, l1, e, q, g])
+    full, _ = naive_mix([*blocks, *extra], query.detach(), gain.detach())
+    tol_out = 1e-6 if dtype == torch.float32 else 1e-2
+    assert rel_err(out, full) <= tol_out
+    assert rel_err(out, ref) <= tol_out
+    for i, (a, r) in enumerate(zip(grads, ref_grads, strict=True)):
+        assert rel_err(a, r) <= (1e-6 if dtype == torch.float32 or i in (0, 1, 3, 4) else 1e-2)
+
+
+@pytest.mark.parametrize("impl", TWO_PHASE)
+def test_phases_save_no_normalised_keys_or_products(impl):
+    """Beyond their inputs the phases save per-token statistics only: no [T, D] tensor."""
+    op = get_depth_attention(impl)
+    n, s, tokens, dim = 6, 4, 64, 32
+    blocks = torch.randn(n, tokens, dim).requires_grad_()
+    queries, gains = torch.randn(s, dim).requires_grad_(), torch.ones(s, dim).requires_grad_()
+    partial = torch.randn(tokens, dim).requires_grad_()
+    with SavedTensorCounter() as c1:
+        out1, lse = op.phase1(blocks, queries, gains)
+    with SavedTensorCounter() as c2:
+        out = op.phase2(out1[1], lse[1], partial[None], queries[1], gains[1])
+    for counter, inputs in ((c1, [blocks, queries, gains]), (c2, [out1, lse, partial, queries])):
+        extra = counter.extra_tensors([*inputs, gains])
+        assert all(t.numel < tokens * dim for t in extra), extra
+        assert counter.extra_bytes([*inputs, gains]) <= 4 * tokens * (n + 2 * s)
+    del out
+
+
+def test_auto_and_refusals(monkeypatch):
+    from attnres_dist.errors import ConfigError
+    from attnres_dist.ops import __dict__ as ops_ns
+    from attnres_dist.runtime.select import select_depth_attention
+
+    assert select_depth_attention("auto", "cpu").value == "twophase"
+    assert select_depth_attention("lean", "cpu").value == "lean"
+    with pytest.raises(ConfigError, match=r"model\.attnres\.impl: got 'fast'; allowed: auto, "):
+        select_depth_attention("fast", "cpu")
+    registry = dict(ops_ns["_REGISTRY"])
+    monkeypatch.setattr("attnres_dist.ops._REGISTRY", registry)
+    register_depth_attention(
+        DepthAttentionImpl("needs_x", depth_attention_reference, requirement=lambda: "x missing")
+    )
+    with pytest.raises(ConfigError) as err:
+        select_depth_attention("needs_x", "cpu")
+    message = str(err.value)
+    assert "'needs_x' cannot run here: x missing; available here: auto, lean" in message
+    assert "needs_x" not in message.split("available here:")[1]
