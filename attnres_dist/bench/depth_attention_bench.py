@@ -1,11 +1,19 @@
-"""Benchmark of the lean depth-attention op against the plain reference.
+"""Benchmark of the depth-attention ops: lean vs reference, and two-phase vs both.
 
-Owns the depth-attention benchmark: forward+backward wall time of ``lean`` and
-``reference`` measured side by side (interleaved, alternating order, median of
-several repetitions) and the bytes each saves for backward, counted with
-:class:`attnres_dist.bench.saved_bytes.SavedTensorCounter` both in total and
-excluding the op's own inputs. ``run(out_dir)`` writes
-``out_dir/depth_attention.json`` and returns the same dict.
+Owns the depth-attention benchmark:
+
+* forward+backward wall time of ``lean`` and ``reference`` measured side by side
+  (interleaved, alternating order, median of several repetitions) and the bytes each saves
+  for backward, counted with :class:`attnres_dist.bench.saved_bytes.SavedTensorCounter` both
+  in total and excluding the op's own inputs;
+* one Block AttnRes block of ``S`` sublayers over ``n`` completed blocks (``two_phase``):
+  the two-phase path (phase 1 for the S queries, phase 2 merging the partial block per
+  sublayer) against the one-pass ops called per sublayer, forward + backward, and the bytes
+  read per sublayer measured with :class:`attnres_dist.bench.io_counter.OpBytesCounter`
+  (the inputs of every aten op, in units of ``d`` = one token's hidden vector in float32),
+  next to the paper's Table 1.
+
+``run(out_dir)`` writes ``out_dir/depth_attention.json`` and returns the same dict.
 
 Usage: ``python -m attnres_dist.bench.depth_attention_bench --out DIR``
 """
@@ -21,6 +29,7 @@ from pathlib import Path
 import torch
 
 from attnres_dist.bench.saved_bytes import SavedTensorCounter
+from attnres_dist.bench.two_phase_block import block_io, block_timings
 from attnres_dist.ops import get_depth_attention
 
 IMPLS = ("lean", "reference")
@@ -67,6 +76,8 @@ def run(
     reps: int = 15,
     warmup: int = 2,
     seed: int = 0,
+    blocks: int = 8,
+    block_sizes: tuple[int, ...] = (3, 6),
 ) -> dict:
     """Run the benchmark, write ``out_dir/depth_attention.json`` and return its content."""
     dtype = torch.float32
@@ -89,9 +100,19 @@ def run(
     total_ratio = saved["lean"]["total_bytes"] / saved["reference"]["total_bytes"]
     extra_ratio = saved["lean"]["extra_bytes"] / saved["reference"]["extra_bytes"]
 
+    two_phase = {
+        str(size): {
+            "time": block_timings(blocks, size, tokens, dim, reps, warmup, seed),
+            "io": block_io(blocks, size, min(tokens, 256), dim, seed),
+        }
+        for size in block_sizes
+    }
+
     result = {
+        "two_phase": two_phase,
         "config": {
             "n_sources": n,
+            "completed_blocks": blocks,
             "tokens": tokens,
             "dim": dim,
             "dtype": str(dtype),
@@ -143,6 +164,13 @@ def format_table(result: dict) -> str:
         f"{r['total_saved_bytes_lean_over_reference']:>10.3f} "
         f"{r['extra_saved_bytes_lean_over_reference']:>10.4f}"
     )
+    for size, block in result["two_phase"].items():
+        t, io = block["time"], block["io"]
+        rows.append(
+            f"S={size}: two-phase/lean {t['two_phase_over_lean']:.3f}, two-phase/reference "
+            f"{t['two_phase_over_reference']:.3f}; reads per sublayer (d): "
+            + ", ".join(f"{k} {v['read_d']:.1f}" for k, v in io["paths"].items())
+        )
     return "\n".join(rows)
 
 

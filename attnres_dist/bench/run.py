@@ -22,6 +22,53 @@ def _stage_ms(variants: dict, name: str, stage: int, kind: str = "backward") -> 
     return f"{rows[0][f'{kind}_ms']:.1f}"
 
 
+def _two_phase_rows(depth: dict) -> list[str]:
+    dc, rows = depth["config"], []
+    for size, block in depth.get("two_phase", {}).items():
+        t = block["time"]
+        ms = t["median_ms"]
+        rows.append(
+            f"| depth attention time, two-phase / lean (S = {size}) | "
+            f"{t['two_phase_over_lean']:.3f} | one block of {size} sublayers over "
+            f"{dc['completed_blocks']} completed blocks, forward + backward, {dc['tokens']} "
+            f"tokens x {dc['dim']}: {ms['two_phase']:.1f} ms vs {ms['lean']:.1f} ms |"
+        )
+        rows.append(
+            f"| depth attention time, two-phase / reference (S = {size}) | "
+            f"{t['two_phase_over_reference']:.3f} | the same block: {ms['two_phase']:.1f} ms vs "
+            f"{ms['reference']:.1f} ms |"
+        )
+    return rows
+
+
+def _io_table(depth: dict) -> list[str]:
+    blocks = depth.get("two_phase", {})
+    if not blocks:
+        return []
+    first = next(iter(blocks.values()))["io"]
+    lines = [
+        "",
+        "## Bytes per sublayer and token, measured, next to the paper's Table 1",
+        "",
+        f"Measured: {first['method']} ({first['tokens']} tokens, "
+        f"{depth['config']['completed_blocks']} completed blocks; d = one token's hidden "
+        "vector in float32). The paper counts a fused kernel's reads + writes; these are an "
+        "unfused execution's.",
+        "",
+        "| path | S | read (d) | written (d) | read + written (d) | paper Table 1 (d) | "
+        "backward read (d) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for size, block in blocks.items():
+        for name, v in block["io"]["paths"].items():
+            paper = "" if v["paper_table1_d"] is None else f"{v['paper_table1_d']:.2f}"
+            lines.append(
+                f"| {name} | {size} | {v['read_d']:.2f} | {v['written_d']:.2f} | "
+                f"{v['read_d'] + v['written_d']:.2f} | {paper} | {v['backward_read_d']:.2f} |"
+            )
+    return lines
+
+
 def generation_rows(gen: dict) -> list[str]:
     c, t, r = gen["config"], gen["tokens_per_s"], gen["ratios"]
     same = "same greedy tokens" if gen["greedy_tokens_equal"] else "**greedy tokens differ**"
@@ -58,6 +105,7 @@ def summary_markdown(depth: dict, pipe: dict, gen: dict | None = None) -> str:
         f"| depth attention extra saved bytes, lean / reference | "
         f"{r['extra_saved_bytes_lean_over_reference']:.4f} | saved beyond the op's inputs "
         f"(target <= {depth['targets']['extra_saved_bytes_ratio_max']}) |",
+        *_two_phase_rows(depth),
         f"| pipeline step time, packed / tuple payload | "
         f"{p['step_time_packed_over_tuple']:.3f} | Block AttnRes at pp = 2: "
         f"{ms['block_packed']:.1f} ms packed vs {ms['block_tuple']:.1f} ms tuple |",
@@ -91,6 +139,7 @@ def summary_markdown(depth: dict, pipe: dict, gen: dict | None = None) -> str:
                 f"| {row['predicted']:,} | {wire} | "
                 f"{', '.join(map(str, row['messages']))} | {'yes' if row['equal'] else 'NO'} |"
             )
+    lines += _io_table(depth)
     cfg = pipe["config"]
     lines += [
         "",

@@ -85,7 +85,10 @@ class Segment:
         queries = torch.stack([m.query for m in self.mixers])
         gains = torch.stack([m.key_norm_weight for m in self.mixers])
         out1, lse = op.phase1(state.store, queries, gains, eps=eps)
-        return replace(state, phase1=Phase1Cache(self.first, state.num_completed, out1, lse))
+        # unbind once: one backward node stacks the S gradients, where S separate index
+        # ops would each fill a zero tensor of the whole [S, ...] and add it up
+        cache = Phase1Cache(self.first, state.num_completed, out1.unbind(0), lse.unbind(0))
+        return replace(state, phase1=cache)
 
 
 def merge_inputs(state: DepthState, sublayer: int):

@@ -70,8 +70,8 @@ class Phase1Cache:
 
     first: int  # the segment's first sublayer (1-based)
     rows: int  # completed blocks phase 1 attended over
-    out1: torch.Tensor  # [S', s, b, h] float32
-    lse: torch.Tensor  # [S', s, b] float32
+    out1: tuple[torch.Tensor, ...]  # S' x [s, b, h] float32
+    lse: tuple[torch.Tensor, ...]  # S' x [s, b] float32
 
 
 @dataclass(frozen=True)

@@ -73,10 +73,10 @@ class _Phase1(torch.autograd.Function):
         logits = torch.mm(flat, u.t()).mul_(rstd.unsqueeze(1)).view(n, tokens, s)
         lse = torch.logsumexp(logits, dim=0)  # [T, S]
         p = logits.sub_(lse).exp_()  # [n, T, S], in place: the logits are not kept
-        # out1[t] = p[:, t, :]^T @ b[:, t, :]: one batched matmul over tokens.
-        out1 = torch.bmm(p.permute(1, 2, 0), b.transpose(0, 1))  # [T, S, D]
-        out1 = out1.transpose(0, 1).contiguous()  # [S, T, D]
-        lse = lse.t().contiguous()  # [S, T]
+        # out1[t] = p[:, t, :]^T @ b[:, t, :]: one batched matmul over tokens, written
+        # token-major; out1 is returned as its [S, T, D] view (no transposing copy).
+        out1 = torch.bmm(p.permute(1, 2, 0), b.transpose(0, 1)).transpose(0, 1)  # [S, T, D]
+        lse = lse.t()  # [S, T] view
         ctx.save_for_backward(blocks, queries, norm_weights, rstd, lse)
         ctx.eps = eps
         ctx.set_materialize_grads(False)
@@ -95,15 +95,14 @@ class _Phase1(torch.autograd.Function):
         logits = torch.mm(flat, u.t()).mul_(rstd.unsqueeze(1)).view(n, tokens, s)
         p = (logits - lse.t()).exp_()  # [n, T, S]
         d_logit = torch.zeros_like(p)
-        g_t = None
+        g = None
         if grad_out1 is not None:
             g = grad_out1.reshape(s, tokens, dim).to(dtype)
-            g_t = g.transpose(0, 1)  # [T, S, D]
             # d p_lj = <G_l, b_j>; the softmax's backward subtracts sum_j p_lj d p_lj (formed
             # from d p itself, so a single block gets exactly zero logit gradient)
-            d_p = torch.bmm(b.transpose(0, 1), g_t.transpose(1, 2)).transpose(0, 1)  # [n, T, S]
-            d_logit += d_p
-            d_logit -= (p * d_p).sum(dim=0)
+            g_t = g.transpose(0, 1)  # [T, S, D]
+            d_logit += torch.bmm(b.transpose(0, 1), g_t.transpose(1, 2)).transpose(0, 1)
+            d_logit -= (p * d_logit).sum(dim=0)
         if grad_lse is not None:
             d_logit += grad_lse.reshape(s, tokens).to(dtype).t()
         d_logit.mul_(p)
@@ -117,8 +116,8 @@ class _Phase1(torch.autograd.Function):
             gb = torch.mm(d_flat, u).mul_(rstd.unsqueeze(1))
             gb.addcmul_(flat, coef.unsqueeze(1))
             gb = gb.view(n, tokens, dim)
-            if g_t is not None:
-                gb.transpose(0, 1).baddbmm_(p.transpose(0, 1), g_t)
+            if g is not None:  # + sum_l p_lj G_l, batched over tokens
+                gb += torch.bmm(p.transpose(0, 1), g_t).transpose(0, 1)
             grad_b = gb.to(blocks.dtype).view(blocks.shape)
         if need_q or need_g:
             du = torch.mm((d_flat * rstd.unsqueeze(1)).t(), flat)  # [S, D]
@@ -143,20 +142,20 @@ class _Phase2(torch.autograd.Function):
         flat = e.reshape(m * tokens, dim)
         rstd = _key_stats(flat, eps)
         le = torch.mv(flat, u).mul_(rstd).view(m, tokens)
-        total = torch.logaddexp(l1, torch.logsumexp(le, dim=0))  # [T]
+        total = torch.logaddexp(l1, le[0] if m == 1 else torch.logsumexp(le, dim=0))  # [T]
         a0 = (l1 - total).exp_()
         ae = (le - total).exp_()  # [m, T]
         acc = o1 * a0.unsqueeze(1)
         for k in range(m):
             acc.addcmul_(e[k], ae[k].unsqueeze(1))
-        ctx.save_for_backward(out1, lse, extra, query, norm_weight, rstd, total)
+        ctx.save_for_backward(out1, lse, extra, query, norm_weight, rstd, le, total)
         ctx.set_materialize_grads(False)
         return acc.to(extra.dtype).view(shape)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        out1, lse, extra, query, norm_weight, rstd, total = ctx.saved_tensors
+        out1, lse, extra, query, norm_weight, rstd, le, total = ctx.saved_tensors
         if grad_out is None:
             return None, None, None, None, None, None
         m, dim = extra.shape[0], extra.shape[-1]
@@ -167,12 +166,14 @@ class _Phase2(torch.autograd.Function):
         l1 = lse.reshape(tokens).to(dtype)
         u = norm_weight.to(dtype) * query.to(dtype)
         flat = e.reshape(m * tokens, dim)
-        le = torch.mv(flat, u).mul_(rstd).view(m, tokens)
         a0 = (l1 - total).exp_()
         ae = (le - total).exp_()
         g = grad_out.reshape(tokens, dim).to(dtype)
         d_a0 = (g * o1).sum(dim=-1)  # [T]
-        d_ae = torch.bmm(e.transpose(0, 1), g.unsqueeze(2)).squeeze(2).t()  # [m, T]
+        if m == 1:
+            d_ae = (g * e[0]).sum(dim=-1).unsqueeze(0)
+        else:
+            d_ae = torch.bmm(e.transpose(0, 1), g.unsqueeze(2)).squeeze(2).t()  # [m, T]
         mean = a0 * d_a0 + (ae * d_ae).sum(dim=0)  # <G, out> in compute dtype
         d_l1 = a0 * (d_a0 - mean)
         d_le = ae * (d_ae - mean)  # [m, T]

@@ -11,8 +11,8 @@ backward for CUDA only, so a CPU-autocast backward fails on a bf16/fp32 matmul.
 
 The depth-attention implementation (``model.attnres.impl``) is resolved here too: ``auto``
 takes the ``triton`` kernel on a CUDA device when its requirement is met, else the torch
-two-phase ops (``twophase``), which are also the CPU choice: measured side by side on 2 CPU
-threads they beat the lean one-pass op at every shape run here (docs/performance.md).
+two-phase ops (``twophase``), which are also the CPU choice: measured side by side on the
+project's CPUs they beat the lean one-pass op at every op shape run there (``make bench``).
 
 Every choice carries the reason it was made; ``RuntimeChoice.describe()`` is the one line the
 trainer prints at start-up.
