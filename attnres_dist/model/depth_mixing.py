@@ -12,7 +12,11 @@ in one batched pass; each sublayer then merges what is not in that store (phase 
   merges the partial block.
 * Full AttnRes (and block size 1, which is the same model): groups of ``FULL_GROUP``
   consecutive sublayers (aligned to multiples of it, cut the same way); phase 2 merges the
-  group's own earlier outputs, which are the store's last rows. Per sublayer this reads the
+  group's own earlier outputs, which are the store's last rows.
+
+Wherever a segment starts, its phase 1 reads the blocks completed when its block (or group)
+began, and phase 2 merges the rest: a stage or recompute cut changes which queries are batched
+together, not what any sublayer computes. Per sublayer this reads the
   ``c`` earlier sources once per group plus on average ``(G - 1) / 2`` group sources, so
   ``G ~ sqrt(2 c)`` balances the two; 8 suits the depths run here (c up to ~64).
 
@@ -75,6 +79,7 @@ class Segment:
 
     first: int
     mixers: list[DepthMixer]
+    rows: int  # completed blocks at the start of the block (Full: group) it belongs to
 
     def begin(self, state: DepthState) -> DepthState:
         """The state with this segment's phase-1 results (computed at its first sublayer)."""
@@ -84,10 +89,12 @@ class Segment:
         op, eps = self.mixers[0]._op, self.mixers[0].eps
         queries = torch.stack([m.query for m in self.mixers])
         gains = torch.stack([m.key_norm_weight for m in self.mixers])
-        out1, lse = op.phase1(state.store, queries, gains, eps=eps)
+        # phase 1 reads the blocks completed when the block (or Full group) began, wherever
+        # the segment starts: a stage or recompute cut then changes no arithmetic
+        out1, lse = op.phase1(state.store[: self.rows], queries, gains, eps=eps)
         # unbind once: one backward node stacks the S gradients, where S separate index
         # ops would each fill a zero tensor of the whole [S, ...] and add it up
-        cache = Phase1Cache(self.first, state.num_completed, out1.unbind(0), lse.unbind(0))
+        cache = Phase1Cache(self.first, self.rows, out1.unbind(0), lse.unbind(0))
         return replace(state, phase1=cache)
 
 
@@ -124,7 +131,9 @@ def configure_segments(layers: list, plan: BlockPlan) -> None:
             (layer.first_sublayer, layer.attn_mixer),
             (layer.first_sublayer + 1, layer.mlp_mixer),
         ):
-            key = (recompute_group, (sublayer - 1) // group)
-            segment = segments.setdefault(key, Segment(sublayer, []))
+            start = (sublayer - 1) // group * group + 1  # the block's (group's) first sublayer
+            key = (recompute_group, start)
+            rows = plan.state_after(start - 1)[0]
+            segment = segments.setdefault(key, Segment(sublayer, [], rows))
             segment.mixers.append(mixer)
             layer.segments[sublayer] = segment
