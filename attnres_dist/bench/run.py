@@ -31,7 +31,8 @@ def _two_phase_rows(depth: dict) -> list[str]:
             f"| depth attention time, two-phase / lean (S = {size}) | "
             f"{t['two_phase_over_lean']:.3f} | one block of {size} sublayers over "
             f"{dc['completed_blocks']} completed blocks, forward + backward, {dc['tokens']} "
-            f"tokens x {dc['dim']}: {ms['two_phase']:.1f} ms vs {ms['lean']:.1f} ms |"
+            f"tokens x {dc['dim']}: {ms['two_phase']:.1f} ms vs {ms['lean']:.1f} ms "
+            "(CPU time, one thread) |"
         )
         rows.append(
             f"| depth attention time, two-phase / reference (S = {size}) | "

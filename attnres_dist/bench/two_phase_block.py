@@ -6,8 +6,10 @@ The two-phase path runs phase 1 once for the S queries and phase 2 per sublayer;
 paths call the op once per sublayer over the full source list. Full AttnRes is the same with
 a group of S sublayers whose phase 2 merges the group's own earlier outputs.
 
-* ``block_timings``: forward + backward wall time of the block per path, interleaved
-  repetitions in alternating order, medians and ratios.
+* ``block_timings``: forward + backward time of the block per path, interleaved repetitions
+  in alternating order, medians and ratios. Measured as the process's CPU time on one thread:
+  on a shared machine wall time swings with other load, and with several threads the CPU
+  time would include OpenMP's spin-waiting.
 * ``block_io``: bytes read per sublayer and token, measured by counting the inputs of every
   aten op the path executes (:class:`attnres_dist.bench.io_counter.OpBytesCounter`), in
   units of ``d`` (one token's hidden vector, float32), next to the paper's Table 1.
@@ -74,6 +76,22 @@ def block_timings(
     """Median forward + backward ms of one block per path, and the two-phase ratios."""
     args = _inputs(n, size, tokens, dim, seed)
     names = list(PATHS)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        median = _medians(names, args, reps, warmup)
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "median_ms": median,
+        "threads": 1,
+        "clock": "process CPU time",
+        "two_phase_over_lean": median["two_phase"] / median["lean"],
+        "two_phase_over_reference": median["two_phase"] / median["reference"],
+    }
+
+
+def _medians(names: list[str], args, reps: int, warmup: int) -> dict[str, float]:
     for _ in range(warmup):
         for name in names:
             _fwd_bwd(name, *args)
@@ -81,12 +99,7 @@ def block_timings(
     for rep in range(reps):
         for name in names if rep % 2 == 0 else names[::-1]:
             samples[name].append(_fwd_bwd(name, *args))
-    median = {name: 1e3 * statistics.median(v) for name, v in samples.items()}
-    return {
-        "median_ms": median,
-        "two_phase_over_lean": median["two_phase"] / median["lean"],
-        "two_phase_over_reference": median["two_phase"] / median["reference"],
-    }
+    return {name: 1e3 * statistics.median(v) for name, v in samples.items()}
 
 
 def _count(fn, tokens: int, dim: int, size: int) -> dict:
