@@ -165,12 +165,55 @@ def test_requesting_a_missing_fast_path_is_a_one_line_config_error(
     assert "\n" not in message
 
 
+# --------------------------------------------------------------------------- core attention
+
+
+def test_core_attention_is_sdpa_under_the_local_spec_and_tes_under_te(machine):
+    machine(cuda=False)
+    choice = select_runtime(RuntimeConfig())
+    assert choice.core_attention == Choice("sdpa", "torch scaled_dot_product_attention")
+    assert "core_attention=sdpa (torch scaled_dot_product_attention)" in choice.describe()
+    assert select_runtime(RuntimeConfig(core_attention="megatron")).core_attention == Choice(
+        "megatron", "set in config"
+    )
+    machine(cuda=True, transformer_engine=True)
+    assert select_runtime(RuntimeConfig()).core_attention.value == "te"
+    # a GPU without TE: the local spec, so SDPA again
+    machine(cuda=True)
+    assert select_runtime(RuntimeConfig(core_attention="sdpa")).core_attention.value == "sdpa"
+
+
+@pytest.mark.parametrize("value", ["sdpa", "megatron"])
+def test_core_attention_asked_for_under_the_te_spec_is_refused(machine, value):
+    machine(cuda=True, transformer_engine=True)
+    with pytest.raises(ConfigError) as info:
+        select_runtime(RuntimeConfig(core_attention=value))
+    assert info.value.where == "runtime.core_attention"
+    assert "layer_spec=te" in str(info.value) and "runtime.layer_spec=local" in str(info.value)
+
+
+def test_core_attention_choice_routes_the_local_spec():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from attnres_dist.model.sdpa_attention import SdpaAttention
+
+    def core(value):
+        values = ("cpu", "local", "torch", "torch", "fp32", value)
+        spec = kernels.layer_spec(RuntimeChoice(*[Choice(v, "test") for v in values]))
+        return spec.submodules.self_attention.submodules.core_attention
+
+    assert core("sdpa") is SdpaAttention
+    assert core("megatron") is DotProductAttention
+    assert core("sdpa") is SdpaAttention  # the spec is built fresh: no state leaks between calls
+    assert RuntimeChoice.reference().core_attention.value == "megatron"
+
+
 # ----------------------------------------------------------------------------------- config
 
 
 def test_runtime_section_defaults_to_auto_and_reads_yaml_on_off():
     cfg = load_config("configs/tiny.yaml")
-    assert cfg.runtime == RuntimeConfig("auto", "auto", "auto", "auto")
+    assert cfg.runtime == RuntimeConfig("auto", "auto", "auto", "auto", "auto")
     # YAML 1.1 reads a bare on/off as a boolean; the section turns it back into the word
     cfg = load_config("configs/tiny.yaml", ["runtime.fused_norm=on", "runtime.fused_optimizer=off"])
     assert (cfg.runtime.fused_norm, cfg.runtime.fused_optimizer) == ("on", "off")
@@ -184,6 +227,7 @@ def test_runtime_section_defaults_to_auto_and_reads_yaml_on_off():
         ("runtime.fused_norm=maybe", "runtime.fused_norm"),
         ("runtime.fused_optimizer=apex", "runtime.fused_optimizer"),
         ("runtime.dtype=fp16", "runtime.dtype"),
+        ("runtime.core_attention=flash", "runtime.core_attention"),
         ("runtime.precision=bf16", "runtime.precision"),
     ],
 )

@@ -5,6 +5,9 @@
   norms are identities because TE fuses each norm into the linear after it, so the AttnRes
   layer's ``f(x) = Sublayer(Norm(x))`` holds either way. Parameter names differ between the
   two specs: a checkpoint belongs to the spec it was trained with.
+* ``core_attention``: under the local spec, ``SdpaAttention`` (torch's fused SDPA) in place of
+  Megatron's ``DotProductAttention``, or Megatron's own; neither has parameters, so the
+  choice never changes a checkpoint. The TE spec keeps TE's attention.
 * ``norm_class``: apex's FusedRMSNorm or torch's RMSNorm, built with Megatron's norm signature
   (Megatron's own apex norm, FusedLayerNorm, refuses RMSNorm). Both name their gain ``weight``.
 * ``adam_class``: apex FusedAdam in AdamW mode (decoupled weight decay, as torch.optim.AdamW)
@@ -28,6 +31,10 @@ def layer_spec(choice: RuntimeChoice):
     if choice.layer_spec.value == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    if choice.core_attention.value == "sdpa":
+        from attnres_dist.model.sdpa_attention import SdpaAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SdpaAttention
     if choice.norm.value == "apex":
         spec.submodules.input_layernorm = ApexRMSNorm
         spec.submodules.pre_mlp_layernorm = ApexRMSNorm

@@ -2,7 +2,10 @@
 
 ``auto`` takes a fast path when this machine has it: Megatron-Core's Transformer Engine layer
 spec, apex's fused RMSNorm and FusedAdam, bf16 autocast, all only with a CUDA device (their
-kernels are GPU-only); otherwise the local layer spec, torch norms, torch AdamW and fp32. An
+kernels are GPU-only); otherwise the local layer spec, torch norms, torch AdamW and fp32. The
+local spec's core attention is torch's ``scaled_dot_product_attention`` on every device
+(``attnres_dist.model.sdpa_attention``; ``megatron`` keeps Megatron's unfused one); the TE
+spec brings Transformer Engine's attention, so there the choice is TE's. An
 explicit request is honoured or refused: asking for a path this machine cannot run is a
 ``ConfigError`` naming the field, before any process group starts, never a silent fallback.
 
@@ -36,6 +39,8 @@ class RuntimeChoice:
     norm: Choice  # apex | torch
     optimizer: Choice  # apex | torch
     dtype: Choice  # bf16 | fp32
+    # sdpa | megatron | te (the TE spec's own); hand-built choices get the reference one
+    core_attention: Choice = Choice("megatron", "reference path")
 
     @classmethod
     def reference(cls) -> RuntimeChoice:
@@ -47,6 +52,7 @@ class RuntimeChoice:
             Choice("torch", why),
             Choice("torch", why),
             Choice("fp32", why),
+            Choice("megatron", why),
         )
 
     @classmethod
@@ -134,4 +140,20 @@ def select_runtime(runtime) -> RuntimeChoice:
     dtype = _pick(p, "dtype", runtime.dtype, "bf16", "fp32", "fp32", "bf16")
     if dtype.value == "bf16":
         dtype = Choice("bf16", f"{dtype.reason}; autocast, fp32 master weights")
-    return RuntimeChoice(device, layer_spec, norm, optimizer, dtype)
+    core_attention = _core_attention(runtime.core_attention, layer_spec)
+    return RuntimeChoice(device, layer_spec, norm, optimizer, dtype, core_attention)
+
+
+def _core_attention(requested: str, layer_spec: Choice) -> Choice:
+    """SDPA unless Megatron's own is asked for; under the TE spec, TE's (nothing to choose)."""
+    if layer_spec.value == "te":
+        if requested == "auto":
+            return Choice("te", "Transformer Engine's, part of the te layer spec")
+        raise ConfigError(
+            "runtime.core_attention",
+            f"{requested!r} applies to the local layer spec but layer_spec=te "
+            f"({layer_spec.reason}); use auto or set runtime.layer_spec=local",
+        )
+    if requested == "auto":
+        return Choice("sdpa", "torch scaled_dot_product_attention")
+    return Choice(requested, "set in config")

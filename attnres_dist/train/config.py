@@ -119,6 +119,8 @@ class RuntimeConfig:
     fused_norm: str | bool = "auto"  # auto | on | off (apex FusedRMSNorm)
     fused_optimizer: str | bool = "auto"  # auto | on | off (apex FusedAdam)
     dtype: str = "auto"  # auto | fp32 | bf16 (bf16 autocast, fp32 master weights; GPU only)
+    # auto | sdpa | megatron: the local spec's core attention (torch SDPA or Megatron's own)
+    core_attention: str = "auto"
 
     def __post_init__(self):
         for name in ("fused_norm", "fused_optimizer"):

@@ -182,6 +182,7 @@ def _validate_runtime(r: RuntimeConfig) -> None:
         ("fused_norm", ("auto", "on", "off")),
         ("fused_optimizer", ("auto", "on", "off")),
         ("dtype", ("auto", "fp32", "bf16")),
+        ("core_attention", ("auto", "sdpa", "megatron")),
     ):
         value = getattr(r, name)
         _require(
