@@ -193,18 +193,21 @@ def test_core_attention_asked_for_under_the_te_spec_is_refused(machine, value):
 
 
 def test_core_attention_choice_routes_the_local_spec():
+    from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from attnres_dist.model.sdpa_attention import SdpaAttention
+    from attnres_dist.model.sdpa_attention import SdpaAttention, SdpaSelfAttention
 
     def core(value):
         values = ("cpu", "local", "torch", "torch", "fp32", value)
         spec = kernels.layer_spec(RuntimeChoice(*[Choice(v, "test") for v in values]))
-        return spec.submodules.self_attention.submodules.core_attention
+        attention = spec.submodules.self_attention
+        return attention.module, attention.submodules.core_attention
 
-    assert core("sdpa") is SdpaAttention
-    assert core("megatron") is DotProductAttention
-    assert core("sdpa") is SdpaAttention  # the spec is built fresh: no state leaks between calls
+    assert core("sdpa") == (SdpaSelfAttention, SdpaAttention)
+    assert core("megatron") == (SelfAttention, DotProductAttention)
+    # the spec is built fresh: no state leaks between calls
+    assert core("sdpa") == (SdpaSelfAttention, SdpaAttention)
     assert RuntimeChoice.reference().core_attention.value == "megatron"
 
 

@@ -19,7 +19,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from attnres_dist.model import megatron_compat
 from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
 from attnres_dist.model.megatron_config import transformer_config
-from attnres_dist.model.sdpa_attention import SdpaAttention
+from attnres_dist.model.sdpa_attention import SdpaAttention, SdpaSelfAttention
 from attnres_dist.model.sequence_context import is_plain_causal_mask, sequence_context
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
@@ -149,6 +149,8 @@ def test_whole_model_forward_backward_megatron_vs_sdpa(mode, groups):
         model = AttnResGPT(ModelBuilder(cfg, VOCAB, seed=4, runtime=_choice(kind)))
         attention = model.layers[0].layer.self_attention.core_attention
         assert type(attention) is (SdpaAttention if kind == "sdpa" else DotProductAttention)
+        block = model.layers[0].layer.self_attention
+        assert isinstance(block, SdpaSelfAttention) == (kind == "sdpa")
         with torch.no_grad():  # AttnRes queries start at zero: make the depth mix non-uniform
             for name, p in model.named_parameters():
                 if name.endswith("query"):
@@ -160,6 +162,47 @@ def test_whole_model_forward_backward_megatron_vs_sdpa(mode, groups):
     assert grads_m.keys() == grads_s.keys()
     assert abs(loss_m - loss_s) <= TOL
     assert max_diff(grads_m.values(), grads_s.values()) <= TOL
+
+
+# ------------------------------------------------------------------------- rotary embedding
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["tables", "interleaved-fallback"])
+def test_self_attention_rotary_tables_match_megatrons_rope(interleaved, monkeypatch):
+    from megatron.core.transformer.spec_utils import build_module
+
+    from attnres_dist.model.gpt import seeded
+    from attnres_dist.runtime import kernels
+
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=12)
+    config = transformer_config(cfg)
+    config.rotary_interleaved = interleaved
+    blocks = {}
+    for kind in ("megatron", "sdpa"):
+        spec = kernels.layer_spec(_choice(kind)).submodules.self_attention
+        with seeded(0, "attention"):
+            blocks[kind] = build_module(spec, config=config, layer_number=1)
+    assert type(blocks["sdpa"]) is SdpaSelfAttention
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(12, 2, 32, generator=g).requires_grad_()
+    ctx = sequence_context(config, x, 10000)
+    grad = torch.randn(12, 2, 32, generator=g)
+    rotated = []  # the table path marks its q/k tensors; Megatron's path must not be taken
+    original = SdpaSelfAttention.get_query_key_value_tensors
+
+    def spy(self, *args, **kwargs):
+        rotated.append(self._rope is not None)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(SdpaSelfAttention, "get_query_key_value_tensors", spy)
+    results = {}
+    for kind, block in blocks.items():
+        out, _ = block(x, attention_mask=ctx.attention_mask, rotary_pos_emb=ctx.rotary_pos_emb)
+        grads = torch.autograd.grad(out, [x, *block.parameters()], grad)
+        results[kind] = (out.detach(), grads)
+    assert rotated == [not interleaved]
+    assert (results["sdpa"][0] - results["megatron"][0]).abs().max().item() <= TOL
+    assert max_diff(results["sdpa"][1], results["megatron"][1]) <= TOL
 
 
 # ---------------------------------------------------------------------------------- dropout

@@ -1,4 +1,16 @@
-"""Megatron-Core's core attention computed by ``torch.nn.functional.scaled_dot_product_attention``.
+"""The SDPA attention path: Megatron-Core's self-attention with fewer, fused torch ops.
+
+Two drop-in replacements for the local layer spec (``attnres_dist.runtime.kernels`` installs
+both when ``runtime.core_attention`` resolves to ``sdpa``):
+
+* ``SdpaAttention`` for ``core_attention``: one ``scaled_dot_product_attention`` call;
+* ``SdpaSelfAttention`` for ``self_attention``: Megatron's ``SelfAttention`` with rotary
+  embeddings applied from cos/sin tables built once per call (Megatron's unfused CPU path
+  recomputes the trigonometry for q and for k, slices the rotary part off and concatenates it
+  back: two full copies per tensor that do nothing when the whole head is rotated).
+
+Core attention
+--------------
 
 ``SdpaAttention`` takes the place of Megatron's ``DotProductAttention`` in the local layer spec
 (``core_attention`` of ``SelfAttention``; ``attnres_dist.runtime.kernels`` puts it there). It is
@@ -30,6 +42,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+    _yarn_get_concentration_factor_from_config as rope_mscale,
+)
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
@@ -83,3 +99,69 @@ class SdpaAttention(DotProductAttention):
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, **call)
         # [b, n, sq, hn] -> [sq, b, n * hn]
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
+
+
+class SdpaSelfAttention(SelfAttention):
+    """``SelfAttention`` whose rotary embedding is ``t * cos + roll(t, d/2) * sin_signed``.
+
+    The same math as Megatron's non-interleaved ``t * cos + rotate_half(t) * sin`` with
+    ``rotate_half(t) = [-t2, t1]``: ``roll`` gives ``[t2, t1]`` and the sign sits in the
+    table. Applied where Megatron applies it (after the q/k projections and q/k norms, before
+    core attention); everything else is Megatron's forward, which is passed no rotary
+    embedding. Configurations this does not cover (interleaved or partial rotary, multi-latent
+    attention, per-layer no-RoPE, inference, packed sequences) take Megatron's path unchanged.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        c = self.config
+        self._tables_ok = not (c.rotary_interleaved or c.multi_latent_attention or c.no_rope_freq)
+        self._mscale = rope_mscale(c)
+        self._rope: tuple | None = None  # (q tables, k tables) during one forward
+
+    def forward(self, hidden_states, attention_mask=None, *args, rotary_pos_emb=None, **kwargs):
+        fast = (
+            self._tables_ok
+            and rotary_pos_emb is not None
+            and not args
+            and kwargs.get("inference_context") is None
+            and kwargs.get("inference_params") is None
+            and kwargs.get("packed_seq_params") is None
+        )
+        if fast:
+            q_freqs, k_freqs = (
+                rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+            )
+            head_dim = self.hidden_size_per_attention_head
+            fast = q_freqs.shape[-1] == head_dim and k_freqs.shape[-1] == head_dim
+        if not fast:
+            return super().forward(
+                hidden_states, attention_mask, *args, rotary_pos_emb=rotary_pos_emb, **kwargs
+            )
+        q_tables = self._tables(q_freqs)
+        self._rope = (q_tables, q_tables if k_freqs is q_freqs else self._tables(k_freqs))
+        try:
+            return super().forward(hidden_states, attention_mask, rotary_pos_emb=None, **kwargs)
+        finally:
+            self._rope = None
+
+    def _tables(self, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin ``[s, 1, 1, d]`` of Megatron's ``freqs`` (rotate-half layout)."""
+        cos = torch.cos(freqs) * self._mscale
+        sin = torch.sin(freqs) * self._mscale
+        half = freqs.shape[-1] // 2
+        return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+    def get_query_key_value_tensors(self, *args, **kwargs):
+        out = super().get_query_key_value_tensors(*args, **kwargs)
+        if self._rope is None:
+            return out
+        query, key, *rest = out
+        (q_cos, q_sin), (k_cos, k_sin) = self._rope
+        return (_rotate(query, q_cos, q_sin), _rotate(key, k_cos, k_sin), *rest)
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``t`` ``[s, b, heads, d]`` over its whole head dimension."""
+    cos, sin_signed = cos.to(t.dtype), sin_signed.to(t.dtype)
+    return t * cos + t.roll(t.shape[-1] // 2, dims=-1) * sin_signed

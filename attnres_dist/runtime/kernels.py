@@ -6,7 +6,8 @@
   layer's ``f(x) = Sublayer(Norm(x))`` holds either way. Parameter names differ between the
   two specs: a checkpoint belongs to the spec it was trained with.
 * ``core_attention``: under the local spec, ``SdpaAttention`` (torch's fused SDPA) in place of
-  Megatron's ``DotProductAttention``, or Megatron's own; neither has parameters, so the
+  Megatron's ``DotProductAttention`` and ``SdpaSelfAttention`` (rotary embedding from tables)
+  in place of ``SelfAttention``, or Megatron's own; the parameters are the same, so the
   choice never changes a checkpoint. The TE spec keeps TE's attention.
 * ``norm_class``: apex's FusedRMSNorm or torch's RMSNorm, built with Megatron's norm signature
   (Megatron's own apex norm, FusedLayerNorm, refuses RMSNorm). Both name their gain ``weight``.
@@ -32,8 +33,9 @@ def layer_spec(choice: RuntimeChoice):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
     if choice.core_attention.value == "sdpa":
-        from attnres_dist.model.sdpa_attention import SdpaAttention
+        from attnres_dist.model.sdpa_attention import SdpaAttention, SdpaSelfAttention
 
+        spec.submodules.self_attention.module = SdpaSelfAttention
         spec.submodules.self_attention.submodules.core_attention = SdpaAttention
     if choice.norm.value == "apex":
         spec.submodules.input_layernorm = ApexRMSNorm
