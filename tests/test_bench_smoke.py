@@ -9,9 +9,15 @@ from __future__ import annotations
 
 import pytest
 
-from attnres_dist.bench import depth_attention_bench, generation_bench, model_bench, pipeline_bench
+from attnres_dist.bench import (
+    depth_attention_bench,
+    generation_bench,
+    model_bench,
+    pipeline_bench,
+    precision_bench,
+)
 from attnres_dist.bench.peak_memory import peak_bytes
-from attnres_dist.bench.run import generation_rows, summary_markdown
+from attnres_dist.bench.run import generation_rows, precision_markdown, summary_markdown
 from tests.conftest import TINY_MODEL
 
 
@@ -104,3 +110,23 @@ def test_generation_bench_smoke(tmp_path):
     assert all(v > 0 for v in result["tokens_per_s"].values())
     rows = "\n".join(generation_rows(result))
     assert "KV cache / recompute" in rows and "same greedy tokens" in rows
+
+
+@pytest.mark.slow
+def test_precision_bench_smoke(small_dataset, tmp_path):
+    """fp32 vs bf16 engine vs ZeRO-1 at dp = 2: it runs and the state bytes add up."""
+    result = precision_bench.run(
+        tmp_path, overrides=(f"data.path={small_dataset}", *TINY_MODEL), reps=1, warmup=1
+    )
+    assert (tmp_path / "precision.json").exists()
+    v = result["variants"]
+    n, tensors = v["fp32"]["parameters_per_rank"], v["fp32"]["parameter_tensors_per_rank"]
+    # fp32 ZeRO-0 holds 16 bytes per parameter (weight, gradient, two AdamW moments) and
+    # AdamW's fp32 step count per tensor
+    assert v["fp32"]["state_bytes_per_rank"] == [16 * n + 4 * tensors] * 2
+    # ZeRO-1 shards the fp32 master copy and the moments (12 bytes) over the two ranks
+    for name in ("bf16", "zero1"):
+        assert all(b < 16 * n for b in v[name]["state_bytes_per_rank"]), name
+    assert all(x["step_s"]["median"] > 0 for x in v.values())
+    text = "\n".join(precision_markdown(result))
+    assert "Precision and ZeRO-1" in text and "| zero1 |" in text

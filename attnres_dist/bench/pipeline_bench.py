@@ -188,7 +188,9 @@ def _worker(args) -> None:
         )
         with _payload(payload):
             trainers[name] = Trainer(cfg)
-        specs[name] = boundary_specs_for_config(cfg, trainers[name].builder.vocab_size)
+        specs[name] = boundary_specs_for_config(
+            cfg, trainers[name].builder.vocab_size, trainers[name].runtime.activation_dtype
+        )
     rank = dist.get_rank()
     names = list(VARIANTS)
     times = {name: [] for name in names}

@@ -1,7 +1,9 @@
 """``make bench``: run every benchmark and write ``DIR/summary.md`` with every ratio.
 
 Runs the depth-attention op benchmark (``depth_attention_bench``, in this process), the
-pipeline benchmark (``pipeline_bench``, a 2-rank torchrun job), the model benchmark
+pipeline benchmark (``pipeline_bench``, a 2-rank torchrun job), the precision benchmark
+(``precision_bench``: fp32 vs DeepSpeed's bf16 engine vs ZeRO-1 at dp = 2, a 2-rank job), the
+model benchmark
 (``model_bench``, in this process: AttnRes / baseline step time at three shapes, old path vs
 new; tokens/s against a plain-PyTorch GPT) and the generation benchmark (``generation_bench``,
 in this process); the last two open a one-process group. Each writes its own JSON into
@@ -16,7 +18,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from attnres_dist.bench import depth_attention_bench, generation_bench, model_bench, pipeline_bench
+from attnres_dist.bench import (
+    depth_attention_bench,
+    generation_bench,
+    model_bench,
+    pipeline_bench,
+    precision_bench,
+)
 
 
 def _stage_ms(variants: dict, name: str, stage: int, kind: str = "backward") -> str:
@@ -99,8 +107,33 @@ def _memory_rows(pipe: dict) -> list[str]:
     return lines
 
 
+def precision_markdown(prec: dict) -> list[str]:
+    v, r = prec["variants"], prec["ratios"]
+    return [
+        "",
+        "## Precision and ZeRO-1 at dp = 2: memory per rank and step time",
+        "",
+        "Model + optimizer state per rank: the bytes of every tensor an engine holds for "
+        "parameters, gradients, DeepSpeed's flat buffers, master weights and AdamW state, at "
+        "the optimizer step (activations, which bf16 also halves, are not counted). "
+        f"Device: {prec['config']['device']}.",
+        "",
+        precision_bench.format_table(prec),
+        "",
+        "| ratio | value |",
+        "|---|---|",
+        *(f"| {name.replace('_', ' ')} | {value:.3f} |" for name, value in r.items()),
+        "",
+        f"Parameters per rank: {v['fp32']['parameters_per_rank']:,}.",
+    ]
+
+
 def summary_markdown(
-    depth: dict, pipe: dict, gen: dict | None = None, model: dict | None = None
+    depth: dict,
+    pipe: dict,
+    gen: dict | None = None,
+    model: dict | None = None,
+    prec: dict | None = None,
 ) -> str:
     r, p = depth["ratios"], pipe["ratios"]
     v = pipe["variants"]
@@ -177,6 +210,8 @@ def summary_markdown(
         "rank; step time = the slowest rank's, each step started after a barrier.",
         "",
     ]
+    if prec is not None:
+        lines += precision_markdown(prec)
     return "\n".join(lines)
 
 
@@ -199,13 +234,15 @@ def main(argv: list[str] | None = None) -> None:
         depth = depth_attention_bench.run(out, tokens=1024, dim=128, reps=3, warmup=1)
         pipe = pipeline_bench.run(out, reps=2, warmup=1)
         model = model_bench.run(out, shapes=QUICK_SHAPES, batch=4, seq=64, reps=2, warmup=1)
+        prec = precision_bench.run(out, reps=2, warmup=1)
         gen = generation_bench.run(out, new=16, reps=1, warmup=0)
     else:
         depth = depth_attention_bench.run(out)
         pipe = pipeline_bench.run(out)
+        prec = precision_bench.run(out)
         model = model_bench.run(out)
         gen = generation_bench.run(out)
-    text = summary_markdown(depth, pipe, gen, model)
+    text = summary_markdown(depth, pipe, gen, model, prec)
     (out / "summary.md").write_text(text)
     print(text)
 

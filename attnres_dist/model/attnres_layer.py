@@ -7,7 +7,8 @@ state's sources (its own zero-initialised query and key RMSNorm gain), and its r
 to the partial block, which is closed into the completed list where the block plan says so.
 Baseline mode applies the plain PreNorm residual with the very same submodules.
 
-Recompute (activation checkpointing) lives here too:
+Recompute (activation checkpointing, ``model/recompute.py``: dropout masks replayed exactly)
+lives here too:
 * ``attnres``: the mix and the PreNorm after it are recomputed in backward, so nothing of them
   is stored beyond the sources, which stay alive anyway;
 * ``full``: groups of ``interval`` consecutive local layers are recomputed whole. The first
@@ -19,10 +20,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
+from attnres_dist.model import dropout_streams
 from attnres_dist.model.block_plan import BlockPlan
 from attnres_dist.model.depth_state import DepthState
+from attnres_dist.model.recompute import checkpoint
 from attnres_dist.model.sequence_context import sequence_context, with_layout
 from attnres_dist.ops import get_depth_attention
 
@@ -65,6 +67,7 @@ class AttnResLayer(torch.nn.Module):
         self.plan = plan
         self.layer_index = layer_index
         self.hidden_dropout = megatron_layer.config.hidden_dropout
+        self.uses_dropout = self.hidden_dropout > 0 or megatron_layer.config.attention_dropout > 0
         if plan.mode != "baseline":
             hidden = megatron_layer.config.hidden_size
             self.attn_mixer = DepthMixer(hidden, impl)
@@ -95,7 +98,7 @@ class AttnResLayer(torch.nn.Module):
             mixer = self.attn_mixer if first else self.mlp_mixer
             sources = state.sources()
             if self.recompute == "attnres" and torch.is_grad_enabled():
-                normed = checkpoint(lambda *s: norm(mixer(s)), *sources, use_reentrant=False)
+                normed = checkpoint(lambda *s: norm(mixer(s)), *sources)
             else:
                 normed = norm(mixer(sources))
         out = F.dropout(fn(normed, ctx), p=self.hidden_dropout, training=self.training)
@@ -117,8 +120,9 @@ class AttnResLayer(torch.nn.Module):
         ctx = sequence_context(self.layer.config, state.sources()[0], self.rotary_base)
         ctx = with_layout(ctx, state.layout)
         first = 2 * self.layer_index + 1
-        state = self._sublayer(state, first, ctx)
-        state = self._sublayer(state, first + 1, ctx)
+        with dropout_streams.layer_streams(self.layer_index, self.training and self.uses_dropout):
+            state = self._sublayer(state, first, ctx)
+            state = self._sublayer(state, first + 1, ctx)
         return DepthState(state.completed, state.partial, self.layer_index + 1, state.layout)
 
     def forward(self, state: DepthState) -> DepthState:
@@ -137,7 +141,7 @@ class AttnResLayer(torch.nn.Module):
                 inner = layer.apply_layer(inner)
             return inner.tensors()
 
-        outputs = checkpoint(run_group, *state.tensors(), use_reentrant=False)
+        outputs = checkpoint(run_group, *state.tensors())
         done = state.layers_done + len(group)
         completed, partial = self.plan.state_after(2 * done)
         return DepthState.from_tensors(outputs, completed, partial, done, state.layout)

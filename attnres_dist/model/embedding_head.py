@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from attnres_dist.model import dropout_streams
 from attnres_dist.model.attnres_layer import DepthMixer
 from attnres_dist.model.block_plan import BlockPlan
 from attnres_dist.model.depth_state import DepthState
@@ -59,6 +60,7 @@ class Embedding(torch.nn.Module):
         )
 
         self.plan = plan
+        self.dropout = config.hidden_dropout  # Megatron's embedding dropout
         self.embedding = LanguageModelEmbedding(
             config=config,
             vocab_size=vocab_size,
@@ -72,7 +74,9 @@ class Embedding(torch.nn.Module):
         return self.embedding.word_embeddings
 
     def forward(self, tokens: torch.Tensor) -> DepthState:
-        v0 = self.embedding(input_ids=tokens, position_ids=None)  # [s, b, h]
+        keyed = self.training and self.dropout > 0
+        with dropout_streams.layer_streams(dropout_streams.EMBEDDING, keyed):
+            v0 = self.embedding(input_ids=tokens, position_ids=None)  # [s, b, h]
         layout = None
         if self.documents is not None and self.documents.per_sample:
             layout = document_layout(tokens, self.documents)

@@ -13,16 +13,12 @@
   (Megatron's own apex norm, FusedLayerNorm, refuses RMSNorm). Both name their gain ``weight``.
 * ``adam_class``: apex FusedAdam in AdamW mode (decoupled weight decay, as torch.optim.AdamW)
   or torch's AdamW.
-* ``autocast_part``: bf16 forward passes with fp32 parameters (the master weights), per part.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from attnres_dist.model.depth_state import DepthState
 from attnres_dist.runtime.select import RuntimeChoice
 
 
@@ -66,42 +62,3 @@ def adam_class(choice: RuntimeChoice) -> type[torch.optim.Optimizer]:
         # adam_w_mode defaults to True: the same update as torch.optim.AdamW
         return FusedAdam
     return torch.optim.AdamW
-
-
-def autocast_part(module: torch.nn.Module, choice: RuntimeChoice) -> torch.nn.Module:
-    """Run ``module``'s forward (and tied ``logits``) under bf16 autocast, when chosen.
-
-    Outputs are cast to bf16 as well: the embedding lookup is not an autocast op, and depth
-    attention needs all its sources in one dtype, so every tensor a part hands on (DepthState
-    sources, hidden states, logits) is bf16. Parameters stay fp32 and the optimizer updates
-    them in fp32. The methods are replaced on the instance, not wrapped in a new module, so
-    parameter names (and checkpoints) do not change.
-    """
-    dtype = choice.autocast_dtype
-    if dtype is None:
-        return module
-    device_type = choice.device.value
-    for name in ("forward", "logits"):
-        method = getattr(module, name, None)
-        if method is not None:
-            object.__setattr__(module, name, _autocast(method, device_type, dtype))
-    return module
-
-
-def _autocast(method, device_type: str, dtype: torch.dtype):
-    @functools.wraps(method)
-    def run(*args, **kwargs):
-        with torch.autocast(device_type, dtype=dtype):
-            return _cast(method(*args, **kwargs), dtype)
-
-    return run
-
-
-def _cast(out, dtype: torch.dtype):
-    if isinstance(out, DepthState):
-        partial = None if out.partial is None else out.partial.to(dtype)
-        completed = tuple(t.to(dtype) for t in out.completed)
-        return DepthState(completed, partial, out.layers_done, out.layout)
-    if torch.is_tensor(out) and out.is_floating_point():
-        return out.to(dtype)
-    return out
