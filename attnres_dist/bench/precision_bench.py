@@ -131,6 +131,7 @@ def _worker(args) -> None:
     import torch
     import torch.distributed as dist
 
+    from attnres_dist.parallel.comm_device import comm_device
     from attnres_dist.train.config import load_config
     from attnres_dist.train.trainer import Trainer
 
@@ -175,9 +176,8 @@ def _worker(args) -> None:
             if cuda:
                 torch.cuda.synchronize()
                 peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated())
-            elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-            device = trainers[name].engine.engine.device
-            elapsed = elapsed.to(device)
+            elapsed = time.perf_counter() - start
+            elapsed = torch.tensor(elapsed, dtype=torch.float64, device=comm_device())
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if rep >= args.warmup:
                 times[name].append(float(elapsed))
