@@ -70,7 +70,10 @@ def _check_config(args) -> int:
         m, p = cfg.model, cfg.parallel
         vocab = padded_vocab_size(m.vocab_size or 257, m.make_vocab_size_divisible_by, p.tp)
         print("\n".join(describe_parts(compute_parts(m, p.pp, p.partition, vocab), m.num_layers)))
-        print(format_specs(boundary_specs_for_config(cfg, vocab)))
+        from attnres_dist.runtime import select_runtime
+
+        dtype = select_runtime(cfg.runtime).activation_dtype  # bf16 payloads under bf16
+        print(format_specs(boundary_specs_for_config(cfg, vocab, dtype)))
     return 0
 
 

@@ -1,15 +1,23 @@
-"""Smoke run of ``make bench``'s pipeline part: it runs, the wire bytes equal the contract.
+"""Smoke run of ``make bench``: it runs, the wire bytes equal the contract, every ratio exists.
 
-One 2-rank job with a tiny model and one repetition: a check that the benchmark works and
-that packed and tuple payloads put exactly the predicted bytes on the wire, not a measurement.
+One 2-rank job with a tiny model and one repetition, and the model benchmark at tiny shapes: a
+check that the benchmarks work, that packed and tuple payloads put exactly the predicted bytes
+on the wire, and that every ratio of the summary is there and positive; not a measurement.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from attnres_dist.bench import depth_attention_bench, generation_bench, pipeline_bench
-from attnres_dist.bench.run import generation_rows, summary_markdown
+from attnres_dist.bench import (
+    depth_attention_bench,
+    generation_bench,
+    model_bench,
+    pipeline_bench,
+    precision_bench,
+)
+from attnres_dist.bench.peak_memory import peak_bytes
+from attnres_dist.bench.run import generation_rows, precision_markdown, summary_markdown
 from tests.conftest import TINY_MODEL
 
 
@@ -31,10 +39,65 @@ def test_pipeline_bench_smoke(small_dataset, tmp_path):
     assert block["k"] == 3  # after 4 sublayers (S = 3): b_0, block 1 and the partial block 2
     assert all(r > 0 for r in result["ratios"].values())
 
+    assert {"step_time_block_over_baseline_old", "step_time_block_new_over_old"} <= set(
+        result["ratios"]
+    )
+    assert {"stage0_peak_memory_block_new_over_old", "stage1_peak_memory_block_new_over_old"} <= (
+        set(result["ratios"])
+    )
+    for variant in result["variants"].values():
+        assert all(m["peak_bytes"] > 0 for m in variant["memory"])
+
     depth = depth_attention_bench.run(tmp_path, n=3, tokens=64, dim=16, reps=1, warmup=0)
-    summary = summary_markdown(depth, result)
+    model = model_smoke(tmp_path)
+    summary = summary_markdown(depth, result, model=model)
     assert "packed / tuple payload" in summary and "Block AttnRes / baseline" in summary
     assert "All equal the prediction." in summary
+    assert "vs a plain-PyTorch GPT" in summary and "Peak memory per pipeline stage" in summary
+
+
+SMOKE_SHAPE = ("model.num_layers=2", "model.hidden_size=32", "model.attnres.block_size=3")
+
+
+def model_smoke(tmp_path) -> dict:
+    shapes = {"2x32 S=3": SMOKE_SHAPE}
+    return model_bench.run(tmp_path, shapes, SMOKE_SHAPE, batch=2, seq=16, reps=1, warmup=0)
+
+
+def test_model_bench_smoke(tmp_path):
+    result = model_smoke(tmp_path)
+    assert (tmp_path / "model.json").exists()
+    ratios = result["step"]["2x32 S=3"]["ratios"]
+    expected = {f"{m}_over_baseline_{p}" for m in ("block", "full") for p in ("old", "new")}
+    expected |= {f"{m}_new_over_old" for m in ("baseline", "block", "full")}
+    assert set(ratios) == expected and all(r > 0 for r in ratios.values())
+    variants = result["step"]["2x32 S=3"]["variants"]
+    assert "megatron attention" in variants["block_old"]["model"]
+    assert "sdpa attention" in variants["block_new"]["model"]
+    assert "impl=lean" in variants["block_old"]["model"]
+    throughput = result["throughput"]["ratios"]
+    assert set(throughput) == {
+        "attnres_new_over_plain",
+        "attnres_old_over_plain",
+        "baseline_new_over_plain",
+    }
+    assert all(r > 0 for r in throughput.values())
+
+
+def test_peak_bytes_counts_live_tensors_at_their_peak():
+    import torch
+
+    x = torch.randn(500, 500)  # 1 MB, live before: not counted
+
+    def two_live_then_freed():
+        a = x * 2  # +1 MB
+        b = a.exp()  # +1 MB: the peak, 2 MB live
+        del a
+        return float(b.sum())
+
+    peak, method = peak_bytes(two_live_then_freed)
+    assert 2 * x.nbytes <= peak <= 2 * x.nbytes + 4096, peak
+    assert "profiler" in method
 
 
 def test_generation_bench_smoke(tmp_path):
@@ -47,3 +110,23 @@ def test_generation_bench_smoke(tmp_path):
     assert all(v > 0 for v in result["tokens_per_s"].values())
     rows = "\n".join(generation_rows(result))
     assert "KV cache / recompute" in rows and "same greedy tokens" in rows
+
+
+@pytest.mark.slow
+def test_precision_bench_smoke(small_dataset, tmp_path):
+    """fp32 vs bf16 engine vs ZeRO-1 at dp = 2: it runs and the state bytes add up."""
+    result = precision_bench.run(
+        tmp_path, overrides=(f"data.path={small_dataset}", *TINY_MODEL), reps=1, warmup=1
+    )
+    assert (tmp_path / "precision.json").exists()
+    v = result["variants"]
+    n, tensors = v["fp32"]["parameters_per_rank"], v["fp32"]["parameter_tensors_per_rank"]
+    # fp32 ZeRO-0 holds 16 bytes per parameter (weight, gradient, two AdamW moments) and
+    # AdamW's fp32 step count per tensor
+    assert v["fp32"]["state_bytes_per_rank"] == [16 * n + 4 * tensors] * 2
+    # ZeRO-1 shards the fp32 master copy and the moments (12 bytes) over the two ranks
+    for name in ("bf16", "zero1"):
+        assert all(b < 16 * n for b in v[name]["state_bytes_per_rank"]), name
+    assert all(x["step_s"]["median"] > 0 for x in v.values())
+    text = "\n".join(precision_markdown(result))
+    assert "Precision and ZeRO-1" in text and "| zero1 |" in text

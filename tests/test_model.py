@@ -200,3 +200,19 @@ def test_attnres_recompute_saves_less_for_backward():
         saved[mode] = counter.total_bytes()
         loss.backward()
     assert saved["attnres"] < saved["none"]
+
+
+def test_single_rank_loss_equals_megatrons_vocab_parallel_cross_entropy():
+    from megatron.core import tensor_parallel
+
+    from attnres_dist.model.embedding_head import lm_loss
+
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(12, 2, 384, generator=g)).requires_grad_()
+    labels = torch.randint(0, 384, (2, 12), generator=g)
+    loss = lm_loss(logits, labels)
+    (grad,) = torch.autograd.grad(loss, logits)
+    ref = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.t().contiguous()).mean()
+    (ref_grad,) = torch.autograd.grad(ref, logits)
+    assert abs(loss.item() - ref.item()) <= 1e-6
+    assert (grad - ref_grad).abs().max().item() <= 1e-7

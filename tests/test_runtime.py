@@ -3,8 +3,8 @@
 Availability is simulated by replacing the probe functions in ``attnres_dist.runtime.probes``;
 nothing pretends to be Transformer Engine or apex. What runs for real on this CPU machine: the
 config section and its validation, the routing from a choice to Megatron's layer spec and to
-the optimizer class, bf16 autocast of the model's forward (CPU autocast stands in for CUDA's),
-and the refusal of a training run that asks for TE, before any process group starts.
+the optimizer class, and the refusal of a training run that asks for TE, before any process
+group starts. bf16 is DeepSpeed's bf16 engine, which runs on CPU too (tests/test_precision.py).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def test_gpu_with_te_and_apex_takes_every_fast_path(machine):
     assert "device=cuda (NVIDIA H100 80GB HBM3)" in line
     assert "layer_spec=te (transformer_engine 2.10.0)" in line
     assert "optimizer=apex (apex FusedAdam)" in line
-    assert "dtype=bf16 (GPU compute capability 9.0; autocast, fp32 master weights)" in line
+    assert "dtype=bf16 (GPU compute capability 9.0; DeepSpeed bf16 engine, fp32 master " in line
     # under the TE spec the layers' norms are TE's; apex is left with the final norm
     assert "final norm only" in choice.norm.reason
 
@@ -149,7 +149,6 @@ def test_explicit_fast_paths_are_taken_when_available(machine):
         ("fused_optimizer", "on", {"cuda": True}, "apex FusedAdam not importable"),
         ("dtype", "bf16", {"cuda": True}, "has no bf16 support"),
         ("layer_spec", "te", {}, "needs a CUDA device (no CUDA device visible)"),
-        ("dtype", "bf16", {}, "needs a CUDA device"),
     ],
 )
 def test_requesting_a_missing_fast_path_is_a_one_line_config_error(
@@ -165,12 +164,58 @@ def test_requesting_a_missing_fast_path_is_a_one_line_config_error(
     assert "\n" not in message
 
 
+# --------------------------------------------------------------------------- core attention
+
+
+def test_core_attention_is_sdpa_under_the_local_spec_and_tes_under_te(machine):
+    machine(cuda=False)
+    choice = select_runtime(RuntimeConfig())
+    assert choice.core_attention == Choice("sdpa", "torch scaled_dot_product_attention")
+    assert "core_attention=sdpa (torch scaled_dot_product_attention)" in choice.describe()
+    assert select_runtime(RuntimeConfig(core_attention="megatron")).core_attention == Choice(
+        "megatron", "set in config"
+    )
+    machine(cuda=True, transformer_engine=True)
+    assert select_runtime(RuntimeConfig()).core_attention.value == "te"
+    # a GPU without TE: the local spec, so SDPA again
+    machine(cuda=True)
+    assert select_runtime(RuntimeConfig(core_attention="sdpa")).core_attention.value == "sdpa"
+
+
+@pytest.mark.parametrize("value", ["sdpa", "megatron"])
+def test_core_attention_asked_for_under_the_te_spec_is_refused(machine, value):
+    machine(cuda=True, transformer_engine=True)
+    with pytest.raises(ConfigError) as info:
+        select_runtime(RuntimeConfig(core_attention=value))
+    assert info.value.where == "runtime.core_attention"
+    assert "layer_spec=te" in str(info.value) and "runtime.layer_spec=local" in str(info.value)
+
+
+def test_core_attention_choice_routes_the_local_spec():
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from attnres_dist.model.sdpa_attention import SdpaAttention, SdpaSelfAttention
+
+    def core(value):
+        values = ("cpu", "local", "torch", "torch", "fp32", value)
+        spec = kernels.layer_spec(RuntimeChoice(*[Choice(v, "test") for v in values]))
+        attention = spec.submodules.self_attention
+        return attention.module, attention.submodules.core_attention
+
+    assert core("sdpa") == (SdpaSelfAttention, SdpaAttention)
+    assert core("megatron") == (SelfAttention, DotProductAttention)
+    # the spec is built fresh: no state leaks between calls
+    assert core("sdpa") == (SdpaSelfAttention, SdpaAttention)
+    assert RuntimeChoice.reference().core_attention.value == "megatron"
+
+
 # ----------------------------------------------------------------------------------- config
 
 
 def test_runtime_section_defaults_to_auto_and_reads_yaml_on_off():
     cfg = load_config("configs/tiny.yaml")
-    assert cfg.runtime == RuntimeConfig("auto", "auto", "auto", "auto")
+    assert cfg.runtime == RuntimeConfig("auto", "auto", "auto", "auto", "auto")
     # YAML 1.1 reads a bare on/off as a boolean; the section turns it back into the word
     cfg = load_config("configs/tiny.yaml", ["runtime.fused_norm=on", "runtime.fused_optimizer=off"])
     assert (cfg.runtime.fused_norm, cfg.runtime.fused_optimizer) == ("on", "off")
@@ -184,6 +229,7 @@ def test_runtime_section_defaults_to_auto_and_reads_yaml_on_off():
         ("runtime.fused_norm=maybe", "runtime.fused_norm"),
         ("runtime.fused_optimizer=apex", "runtime.fused_optimizer"),
         ("runtime.dtype=fp16", "runtime.dtype"),
+        ("runtime.core_attention=flash", "runtime.core_attention"),
         ("runtime.precision=bf16", "runtime.precision"),
     ],
 )
@@ -245,29 +291,14 @@ def test_choices_route_to_megatron_specs_and_optimizers(monkeypatch):
     assert kernels.layer_spec(te) is sentinel
 
 
-def test_bf16_autocast_keeps_fp32_parameters_and_names_and_tracks_fp32_loss():
-    from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
-    from attnres_dist.parallel.dims import ParallelDims
-    from attnres_dist.parallel.process_groups import init_distributed
-    from attnres_dist.train.config import ModelConfig
-
-    init_distributed(ParallelDims(), seed=0)  # Megatron's layers need its (1-rank) groups
-
-    model_cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
-    # CPU autocast stands in for CUDA's: the selection never picks bf16 on CPU, the wrapping is
-    # the same code either way.
-    bf16 = RuntimeChoice(*[Choice(v, "test") for v in ("cpu", "local", "torch", "torch", "bf16")])
-    ref = AttnResGPT(ModelBuilder(model_cfg, 256, seed=3))
-    mixed = AttnResGPT(ModelBuilder(model_cfg, 256, seed=3, runtime=bf16))
-    names = [n for n, _ in mixed.named_parameters()]
-    assert names == [n for n, _ in ref.named_parameters()]
-    assert all(p.dtype == torch.float32 for p in mixed.parameters())
-
-    window = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        state = mixed.embedding(window[:, :-1])
-        assert all(t.dtype == torch.bfloat16 for t in state.sources())
-        assert mixed(window[:, :-1]).dtype == torch.bfloat16
-        loss_ref, loss_mixed = ref.loss(window).item(), mixed.loss(window).item()
-    assert abs(loss_ref - loss_mixed) < 0.05, (loss_ref, loss_mixed)
-    assert loss_ref != loss_mixed  # it really ran in bf16
+def test_explicit_bf16_is_taken_on_cpu_and_auto_stays_fp32(machine):
+    """DeepSpeed's bf16 engine runs on its CPU accelerator: asked for, it is taken; auto is fp32."""
+    called = machine()
+    choice = select_runtime(RuntimeConfig(dtype="bf16"))
+    assert choice.dtype.value == "bf16" and choice.bf16
+    reason = "set in config; on CPU; DeepSpeed bf16 engine, fp32 master weights"
+    assert choice.dtype.reason == reason
+    assert choice.activation_dtype == torch.bfloat16
+    auto = select_runtime(RuntimeConfig())
+    assert auto.dtype.value == "fp32" and auto.activation_dtype == torch.float32
+    assert "bf16" not in called  # no GPU: the bf16 capability probe is never asked

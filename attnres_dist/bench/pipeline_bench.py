@@ -1,13 +1,20 @@
-"""Pipeline benchmark: wire bytes vs the contract, packed vs tuple payload, Block vs baseline.
+"""Pipeline benchmark: wire bytes vs the contract, packed vs tuple payload, Block vs baseline,
+old path vs new, peak memory per stage.
 
-One torchrun job (2 ranks, pp = 2, the tiny config by default) builds three pipeline engines
+One torchrun job (2 ranks, pp = 2, the tiny config by default) builds five pipeline engines
 side by side and runs their training steps interleaved, rotating the order every repetition
-and starting each step after a barrier, so that machine noise hits all three alike:
+and starting each step after a barrier, so that machine noise hits all of them alike:
 
 * ``block_packed``: Block AttnRes, the payload packed into one ``[k, s, b, h]`` tensor;
 * ``block_tuple``:  the same model sending the ``k`` tensors as a tuple (DeepSpeed then runs
   one backward traversal per element, DESIGN.md section 3);
-* ``baseline``:     the standard residual model (``k = 1``).
+* ``baseline``:     the standard residual model (``k = 1``);
+* ``block_old``, ``baseline_old``: the first and the third on the old path (the lean
+  depth-attention op and Megatron's core attention; ``model_bench.path_overrides``), where the
+  others take the new one (the default implementation, ``runtime.core_attention=auto``).
+
+After the timed steps, one more step per variant measures each stage's peak tensor memory
+(``attnres_dist.bench.peak_memory``).
 
 A step's time is the slowest rank's. Schedule timers (``attnres_dist.profile.schedule``) also
 give each stage's forward and backward time per micro-batch: a tuple payload's extra backward
@@ -32,10 +39,12 @@ from pathlib import Path
 
 from attnres_dist.bench.launch_job import REPO, torchrun_job
 
-VARIANTS = {
-    "block_packed": ("block", "packed"),
-    "block_tuple": ("block", "tuple"),
-    "baseline": ("baseline", "packed"),
+VARIANTS = {  # name: (residual mode, payload, path)
+    "block_packed": ("block", "packed", "new"),
+    "block_tuple": ("block", "tuple", "new"),
+    "baseline": ("baseline", "packed", "new"),
+    "block_old": ("block", "packed", "old"),
+    "baseline_old": ("baseline", "packed", "old"),
 }
 
 
@@ -45,6 +54,8 @@ def run(
     overrides: tuple[str, ...] = (),
     reps: int = 15,
     warmup: int = 2,
+    old_impl: str = "lean",
+    new_impl: str | None = None,
 ) -> dict:
     """Launch the benchmark job, write ``out_dir/pipeline.json`` and return its content."""
     out_path = Path(out_dir)
@@ -52,7 +63,9 @@ def run(
     with tempfile.TemporaryDirectory() as tmp:
         raw_path = Path(tmp) / "raw.json"
         args = ["--worker", str(raw_path), "--config", str(config), "--reps", str(reps)]
-        args += ["--warmup", str(warmup), "--run-dir", tmp, *overrides]
+        args += ["--warmup", str(warmup), "--run-dir", tmp, "--old-impl", old_impl]
+        args += [] if new_impl is None else ["--new-impl", new_impl]
+        args += list(overrides)
         torchrun_job("attnres_dist.bench.pipeline_bench", args, nproc=2)
         raw = json.loads(raw_path.read_text())
     med = {name: v["step_s"]["median"] for name, v in raw["variants"].items()}
@@ -60,6 +73,14 @@ def run(
         "ratios": {
             "step_time_packed_over_tuple": med["block_packed"] / med["block_tuple"],
             "step_time_block_over_baseline": med["block_packed"] / med["baseline"],
+            "step_time_block_over_baseline_old": med["block_old"] / med["baseline_old"],
+            "step_time_block_new_over_old": med["block_packed"] / med["block_old"],
+            **{
+                f"stage{stage}_peak_memory_block_new_over_old": new / old
+                for stage, (new, old) in enumerate(
+                    zip(_peaks(raw, "block_packed"), _peaks(raw, "block_old"), strict=True)
+                )
+            },
             "stage0_backward_packed_over_tuple": _stage_ms(raw, "block_packed", 0, "backward")
             / _stage_ms(raw, "block_tuple", 0, "backward"),
         },
@@ -69,6 +90,12 @@ def run(
     }
     (out_path / "pipeline.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _peaks(raw: dict, variant: str) -> list[int]:
+    """Peak bytes per stage, in stage order."""
+    rows = sorted(raw["variants"][variant]["memory"], key=lambda r: r["stage"])
+    return [r["peak_bytes"] for r in rows]
 
 
 def _stage_ms(raw: dict, variant: str, stage: int, kind: str) -> float:
@@ -135,6 +162,8 @@ def _worker(args) -> None:
     import torch
     import torch.distributed as dist
 
+    from attnres_dist.bench.model_bench import path_overrides
+    from attnres_dist.bench.peak_memory import peak_bytes
     from attnres_dist.pipeline.contract import boundary_specs_for_config
     from attnres_dist.profile.schedule import ScheduleTimer
     from attnres_dist.profile.wire import WireTap
@@ -142,11 +171,12 @@ def _worker(args) -> None:
     from attnres_dist.train.trainer import Trainer
 
     trainers, specs = {}, {}
-    for name, (mode, payload) in VARIANTS.items():
+    for name, (mode, payload, path) in VARIANTS.items():
         cfg = load_config(
             args.config,
             [
                 *args.overrides,
+                *path_overrides(path, args.old_impl, args.new_impl),
                 f"model.attnres.mode={mode}",
                 "parallel.pp=2",
                 "parallel.dp=1",
@@ -158,7 +188,9 @@ def _worker(args) -> None:
         )
         with _payload(payload):
             trainers[name] = Trainer(cfg)
-        specs[name] = boundary_specs_for_config(cfg, trainers[name].builder.vocab_size)
+        specs[name] = boundary_specs_for_config(
+            cfg, trainers[name].builder.vocab_size, trainers[name].runtime.activation_dtype
+        )
     rank = dist.get_rank()
     names = list(VARIANTS)
     times = {name: [] for name in names}
@@ -189,8 +221,16 @@ def _worker(args) -> None:
                 counter += 1
                 if rep >= args.warmup:
                     times[name].append(elapsed)
+    memory = {}
+    for name in names:  # untimed: the profiler's allocation records slow the step down
+        micro = trainers[name].micro_batches(args.warmup + args.reps)
+        dist.barrier()
+        engine = trainers[name].engine
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        peak, method = peak_bytes(lambda e=engine, m=micro: e.train_step(m), device)
+        memory[name] = {"stage": rank, "peak_bytes": peak, "method": method}
     transfers = [t.to_dict() | {"boundary": t.boundary} for t in tap.transfers]
-    compute = {n: _compute_ms(timer.events) for n, timer in timers.items()}
+    compute = {n: _compute_ms(timer.events) | {"memory": memory[n]} for n, timer in timers.items()}
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object((transfers, compute), gathered, dst=0)
     if rank == 0:
@@ -213,6 +253,8 @@ def _worker(args) -> None:
                 "step_s": _quantiles(times[name]),
                 "wire": _wire_rows(specs[name], mine),
                 "stages": [c[name] for _, c in gathered],  # per rank = per stage (pp = 2)
+                "memory": [c[name]["memory"] for _, c in gathered],
+                "path": VARIANTS[name][2],
             }
         Path(args.worker).write_text(json.dumps(out, indent=2))
     from attnres_dist.parallel.process_groups import shutdown_distributed
@@ -260,12 +302,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--old-impl", default="lean")
+    parser.add_argument("--new-impl", default=None)
     parser.add_argument("overrides", nargs="*", help="dotted config overrides")
     args = parser.parse_args(argv)
     if args.worker:
         _worker(args)
         return
-    result = run(args.out, args.config, tuple(args.overrides), args.reps, args.warmup)
+    result = run(
+        args.out,
+        args.config,
+        tuple(args.overrides),
+        args.reps,
+        args.warmup,
+        args.old_impl,
+        args.new_impl,
+    )
     print(format_table(result))
     print(json.dumps(result["ratios"], indent=2))
 

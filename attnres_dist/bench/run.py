@@ -1,9 +1,13 @@
 """``make bench``: run every benchmark and write ``DIR/summary.md`` with every ratio.
 
 Runs the depth-attention op benchmark (``depth_attention_bench``, in this process), the
-pipeline benchmark (``pipeline_bench``, a 2-rank torchrun job) and the generation benchmark
-(``generation_bench``, in this process, last: it opens a one-process group); each writes its
-own JSON into ``DIR``. The summary lists each ratio with what it compares, and the
+pipeline benchmark (``pipeline_bench``, a 2-rank torchrun job), the precision benchmark
+(``precision_bench``: fp32 vs DeepSpeed's bf16 engine vs ZeRO-1 at dp = 2, a 2-rank job), the
+model benchmark
+(``model_bench``, in this process: AttnRes / baseline step time at three shapes, old path vs
+new; tokens/s against a plain-PyTorch GPT) and the generation benchmark (``generation_bench``,
+in this process); the last two open a one-process group. Each writes its own JSON into
+``DIR``. The summary lists each ratio with what it compares, and the
 per-boundary bytes predicted by the activation contract next to the bytes measured on the wire.
 
 Usage: ``python -m attnres_dist.bench.run --out DIR [--quick]``
@@ -14,7 +18,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from attnres_dist.bench import depth_attention_bench, generation_bench, pipeline_bench
+from attnres_dist.bench import (
+    depth_attention_bench,
+    generation_bench,
+    model_bench,
+    pipeline_bench,
+    precision_bench,
+)
 
 
 def _stage_ms(variants: dict, name: str, stage: int, kind: str = "backward") -> str:
@@ -84,7 +94,95 @@ def generation_rows(gen: dict) -> list[str]:
     ]
 
 
-def summary_markdown(depth: dict, pipe: dict, gen: dict | None = None) -> str:
+def _model_rows(model: dict) -> list[str]:
+    """AttnRes / baseline per shape (old path beside new) and tokens/s against plain PyTorch."""
+    c = model["config"]
+    lines = [
+        "",
+        "## AttnRes step time over baseline, single process: new path (old path)",
+        "",
+        f"Forward + backward + AdamW on {c['batch']} x {c['seq']} tokens, {c['threads']} "
+        f"threads. New: `{' '.join(c['new_path'])}`; old: `{' '.join(c['old_path'])}`; each "
+        "path's baseline has its core attention.",
+        "",
+        "| shape | Block / baseline | Full / baseline | Block new / old | Full new / old | "
+        "baseline new / old |",
+        "|---|---|---|---|---|---|",
+    ]
+    for shape, group in model["step"].items():
+        r = group["ratios"]
+        lines.append(
+            f"| {shape} | {r['block_over_baseline_new']:.3f} ({r['block_over_baseline_old']:.3f}) "
+            f"| {r['full_over_baseline_new']:.3f} ({r['full_over_baseline_old']:.3f}) "
+            f"| {r['block_new_over_old']:.3f} | {r['full_new_over_old']:.3f} "
+            f"| {r['baseline_new_over_old']:.3f} |"
+        )
+    t = model["throughput"]
+    v, r = t["variants"], t["ratios"]
+    lines += [
+        "",
+        "## Tokens/s: `make train-single`'s model vs a plain-PyTorch GPT of the same shape",
+        "",
+        "| model | tokens/s | / plain |",
+        "|---|---|---|",
+        f"| {v['attnres_new']['model']} (new path) | {v['attnres_new']['tokens_per_s']:,.0f} | "
+        f"{r['attnres_new_over_plain']:.3f} (floor {t['floor_attnres_over_plain']}) |",
+        f"| {v['attnres_old']['model']} (old path) | {v['attnres_old']['tokens_per_s']:,.0f} | "
+        f"{r['attnres_old_over_plain']:.3f} |",
+        f"| {v['baseline_new']['model']} | {v['baseline_new']['tokens_per_s']:,.0f} | "
+        f"{r['baseline_new_over_plain']:.3f} |",
+        f"| {v['plain']['model']} | {v['plain']['tokens_per_s']:,.0f} | 1 |",
+    ]
+    return lines
+
+
+def _memory_rows(pipe: dict) -> list[str]:
+    v = pipe["variants"]
+    method = v["block_packed"]["memory"][0]["method"]
+    lines = [
+        "",
+        f"## Peak memory per pipeline stage during one training step (pp = 2; {method})",
+        "",
+        "| variant | path | "
+        + " | ".join(f"stage {m['stage']} MB" for m in v["baseline"]["memory"])
+        + " |",
+        "|---|---|" + "---|" * len(v["baseline"]["memory"]),
+    ]
+    for name, x in v.items():
+        mem = sorted(x["memory"], key=lambda m: m["stage"])
+        cells = " | ".join(f"{m['peak_bytes'] / 2**20:.1f}" for m in mem)
+        lines.append(f"| {name} | {x['path']} | {cells} |")
+    return lines
+
+
+def precision_markdown(prec: dict) -> list[str]:
+    v, r = prec["variants"], prec["ratios"]
+    return [
+        "",
+        "## Precision and ZeRO-1 at dp = 2: memory per rank and step time",
+        "",
+        "Model + optimizer state per rank: the bytes of every tensor an engine holds for "
+        "parameters, gradients, DeepSpeed's flat buffers, master weights and AdamW state, at "
+        "the optimizer step (activations, which bf16 also halves, are not counted). "
+        f"Device: {prec['config']['device']}.",
+        "",
+        precision_bench.format_table(prec),
+        "",
+        "| ratio | value |",
+        "|---|---|",
+        *(f"| {name.replace('_', ' ')} | {value:.3f} |" for name, value in r.items()),
+        "",
+        f"Parameters per rank: {v['fp32']['parameters_per_rank']:,}.",
+    ]
+
+
+def summary_markdown(
+    depth: dict,
+    pipe: dict,
+    gen: dict | None = None,
+    model: dict | None = None,
+    prec: dict | None = None,
+) -> str:
     r, p = depth["ratios"], pipe["ratios"]
     v = pipe["variants"]
     ms = {name: x["step_s"]["median"] * 1e3 for name, x in v.items()}
@@ -115,9 +213,22 @@ def summary_markdown(depth: dict, pipe: dict, gen: dict | None = None) -> str:
         f"k = {v['block_tuple']['wire'][0]['k']} backward traversals run: "
         f"{_stage_ms(v, 'block_packed', 0)} ms vs {_stage_ms(v, 'block_tuple', 0)} ms |",
         f"| pipeline step time, Block AttnRes / baseline | "
-        f"{p['step_time_block_over_baseline']:.3f} | pp = 2: {ms['block_packed']:.1f} ms vs "
-        f"{ms['baseline']:.1f} ms |",
+        f"{p['step_time_block_over_baseline']:.3f} | pp = 2, new path: {ms['block_packed']:.1f} "
+        f"ms vs {ms['baseline']:.1f} ms |",
+        f"| pipeline step time, Block AttnRes / baseline, old path | "
+        f"{p['step_time_block_over_baseline_old']:.3f} | pp = 2: {ms['block_old']:.1f} ms vs "
+        f"{ms['baseline_old']:.1f} ms |",
+        f"| pipeline step time, Block AttnRes new / old path | "
+        f"{p['step_time_block_new_over_old']:.3f} | pp = 2 |",
+        *(
+            f"| stage {k[5]} peak memory, Block AttnRes new / old path | {p[k]:.3f} | "
+            "one pp = 2 training step |"
+            for k in sorted(p)
+            if k.endswith("_peak_memory_block_new_over_old")
+        ),
         *(generation_rows(gen) if gen is not None else []),
+        *([] if model is None else _model_rows(model)),
+        *_memory_rows(pipe),
         "",
         "## Bytes per boundary and micro-batch: contract prediction vs DeepSpeed's wire",
         "",
@@ -149,7 +260,16 @@ def summary_markdown(depth: dict, pipe: dict, gen: dict | None = None) -> str:
         "rank; step time = the slowest rank's, each step started after a barrier.",
         "",
     ]
+    if prec is not None:
+        lines += precision_markdown(prec)
     return "\n".join(lines)
+
+
+# --quick: the tiny default and a shallower deep-narrow shape, on fewer tokens
+QUICK_SHAPES = {
+    "4x128 S=2": model_bench.SHAPES["4x128 S=2"],
+    "8x64 S=4": ("model.num_layers=8", "model.hidden_size=64", "model.attnres.block_size=4"),
+}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -163,12 +283,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         depth = depth_attention_bench.run(out, tokens=1024, dim=128, reps=3, warmup=1)
         pipe = pipeline_bench.run(out, reps=2, warmup=1)
+        model = model_bench.run(out, shapes=QUICK_SHAPES, batch=4, seq=64, reps=2, warmup=1)
+        prec = precision_bench.run(out, reps=2, warmup=1)
         gen = generation_bench.run(out, new=16, reps=1, warmup=0)
     else:
         depth = depth_attention_bench.run(out)
         pipe = pipeline_bench.run(out)
+        prec = precision_bench.run(out)
+        model = model_bench.run(out)
         gen = generation_bench.run(out)
-    text = summary_markdown(depth, pipe, gen)
+    text = summary_markdown(depth, pipe, gen, model, prec)
     (out / "summary.md").write_text(text)
     print(text)
 

@@ -124,10 +124,13 @@ def check_signature(ckpt: Checkpoint, signature: dict) -> None:
 def _stage_tensors(engine, group) -> dict[str, torch.Tensor]:
     """Full tensors of the parameters (and their optimizer state) this stage owns.
 
-    Collective over the tensor-parallel group: every tensor rank runs the same loop.
+    Collective over the tensor-parallel group: every tensor rank runs the same loop. Under
+    DeepSpeed's bf16 engine or ZeRO-1 (``engine.sharded_state``) the fp32 master weights and
+    AdamW state are read from its flat partitions, collectively over the data-parallel group.
     """
     tensors = {}
     optimizer = engine.optimizer
+    sharded = getattr(engine, "sharded_state", None)
     # apex's FusedAdam counts steps per group, torch's AdamW per parameter: stored per parameter
     group_step = {
         id(p): g["step"] for g in optimizer.param_groups if "step" in g for p in g["params"]
@@ -135,8 +138,11 @@ def _stage_tensors(engine, group) -> dict[str, torch.Tensor]:
     for name, param, owned in engine.checkpoint_params():
         if not owned:
             continue
-        tensors[f"model/{name}"] = gather_full(param, param, group)
-        state = dict(optimizer.state.get(param, {}))
+        if sharded is not None:
+            value, state = sharded.master(param), sharded.state(param)
+        else:
+            value, state = param, dict(optimizer.state.get(param, {}))
+        tensors[f"model/{name}"] = gather_full(value, param, group)
         if "step" not in state and id(param) in group_step:
             state["step"] = group_step[id(param)]
         for key in sorted(state):
@@ -171,9 +177,11 @@ def save_checkpoint(
     _barrier()
     tmp = store.tmp_dir(root, step)
     written = None
-    if dp_rank == 0:  # data-parallel replicas hold identical state: one of them writes
+    # data-parallel replicas hold identical state: one of them writes (reading sharded optimizer
+    # state is collective over the data-parallel group, so then every replica reads)
+    if dp_rank == 0 or getattr(engine, "sharded_state", None) is not None:
         tensors = _stage_tensors(engine, _tp_group())
-        if tp_rank == 0:
+        if tp_rank == 0 and dp_rank == 0:
             name = f"stage-{stage:03d}.safetensors"
             info = store.write_bytes(tmp / name, safetensors.torch.save(tensors))
             info["tensors"] = {key: list(t.shape) for key, t in tensors.items()}
@@ -226,6 +234,7 @@ def load_checkpoint(ckpt: Checkpoint, engine, dims: ParallelDims, rank: int) -> 
     from safetensors import safe_open
 
     _, _, tp_rank = dims.coords(rank)
+    sharded = getattr(engine, "sharded_state", None)  # DeepSpeed's bf16 / ZeRO-1 partitions
     index = ckpt.tensor_index()
     optim_keys: dict[str, list[str]] = {}
     for key in index:
@@ -253,8 +262,10 @@ def load_checkpoint(ckpt: Checkpoint, engine, dims: ParallelDims, rank: int) -> 
                     str(ckpt.path),
                     f"{name} has shape {list(full.shape)}, the model {list(expected)}",
                 )
-            with torch.no_grad():
-                param.copy_(_local(full, param, tp_rank, dims.tp))
+            master = _local(full, param, tp_rank, dims.tp)
+            if sharded is None:
+                with torch.no_grad():
+                    param.copy_(master)
             state = {}
             for state_key in sorted(optim_keys.get(name, [])):
                 value = get(f"optim/{state_key}/{name}")
@@ -262,7 +273,9 @@ def load_checkpoint(ckpt: Checkpoint, engine, dims: ParallelDims, rank: int) -> 
                     state[state_key] = _local(value, param, tp_rank, dims.tp).to(param.device)
                 else:  # AdamW's scalar step count stays on the CPU, in its own dtype
                     state[state_key] = value
-            if state:
+            if sharded is not None:
+                sharded.load(param, master.to(param.device), state)
+            elif state:
                 engine.optimizer.state[param] = state
     if not isinstance(engine.optimizer, torch.optim.AdamW):  # apex FusedAdam: a step per group
         for group in engine.optimizer.param_groups:

@@ -1,8 +1,9 @@
 """The GPU check's training steps: smoke runs, step times at the 125M shape, export + generate.
 
-All run on one GPU (``parallel.pp=1``: the single-process engine) in bf16 with the local spec;
-the tiny config also with Megatron's Transformer Engine spec when TE imports. The 125M config's
-dataset and GPT-2 tokenizer are not on the machine, so it trains on the embedded byte corpus:
+All run on one GPU (``parallel.pp=1``; bf16 is DeepSpeed's bf16 engine with one stage) in bf16
+with the local spec; the tiny config also with Megatron's Transformer Engine spec when TE
+imports. The 125M config's dataset and GPT-2 tokenizer are not on the machine, so it trains on
+the embedded byte corpus:
 the shape (12 x 768, 1024 tokens, batch 8) is what is measured. A dry run (CPU) shrinks every
 shape and uses fp32.
 """

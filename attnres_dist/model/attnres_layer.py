@@ -10,7 +10,8 @@ Baseline mode applies the plain PreNorm residual with the very same submodules.
 With a two-phase implementation the mix is phase 1 (at a segment's first sublayer, for the
 whole segment) plus phase 2 (``attnres_dist.model.depth_mixing``).
 
-Recompute (activation checkpointing) lives here too:
+Recompute (activation checkpointing, ``model/recompute.py``: dropout masks replayed exactly)
+lives here too:
 * ``attnres``: the mix and the PreNorm after it are recomputed in backward, so nothing of them
   is stored beyond the sources, which stay alive anyway. Two-phase: the region is phase 2 and
   the norm; phase 1 saves only its inputs, its outputs and ``[n, tokens]`` statistics, so its
@@ -26,11 +27,12 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
+from attnres_dist.model import dropout_streams
 from attnres_dist.model.block_plan import BlockPlan
 from attnres_dist.model.depth_mixing import DepthMixer, configure_segments, merge_inputs
 from attnres_dist.model.depth_state import DepthState
+from attnres_dist.model.recompute import checkpoint
 from attnres_dist.model.sequence_context import sequence_context, with_layout
 
 __all__ = ["AttnResLayer", "DepthMixer", "configure_recompute", "configure_segments"]
@@ -57,6 +59,7 @@ class AttnResLayer(torch.nn.Module):
         self.plan = plan
         self.layer_index = layer_index
         self.hidden_dropout = megatron_layer.config.hidden_dropout
+        self.uses_dropout = self.hidden_dropout > 0 or megatron_layer.config.attention_dropout > 0
         if plan.mode != "baseline":
             hidden = megatron_layer.config.hidden_size
             self.attn_mixer = DepthMixer(hidden, impl)
@@ -96,15 +99,13 @@ class AttnResLayer(torch.nn.Module):
                 state = self.segments[sublayer].begin(state)  # phase 1 at the segment's start
                 inputs = (*merge_inputs(state, sublayer), state.store.dtype)
                 if self.recompute == "attnres" and torch.is_grad_enabled():
-                    normed = checkpoint(
-                        lambda *a: norm(mixer.merge(*a)), *inputs, use_reentrant=False
-                    )
+                    normed = checkpoint(lambda *a: norm(mixer.merge(*a)), *inputs)
                 else:
                     normed = norm(mixer.merge(*inputs))
             else:
                 sources = state.sources()
                 if self.recompute == "attnres" and torch.is_grad_enabled():
-                    normed = checkpoint(lambda *s: norm(mixer(s)), *sources, use_reentrant=False)
+                    normed = checkpoint(lambda *s: norm(mixer(s)), *sources)
                 else:
                     normed = norm(mixer(sources))
         out = F.dropout(fn(normed, ctx), p=self.hidden_dropout, training=self.training)
@@ -127,8 +128,9 @@ class AttnResLayer(torch.nn.Module):
         ctx = sequence_context(self.layer.config, ref, self.rotary_base)
         ctx = with_layout(ctx, state.layout)
         first = self.first_sublayer
-        state = self._sublayer(state, first, ctx)
-        state = self._sublayer(state, first + 1, ctx)
+        with dropout_streams.layer_streams(self.layer_index, self.training and self.uses_dropout):
+            state = self._sublayer(state, first, ctx)
+            state = self._sublayer(state, first + 1, ctx)
         return replace(state, layers_done=self.layer_index + 1)
 
     def forward(self, state: DepthState) -> DepthState:
@@ -150,7 +152,7 @@ class AttnResLayer(torch.nn.Module):
             grown["buffer"] = inner.buffer
             return inner.parts()
 
-        outputs = checkpoint(run_group, *state.parts(), use_reentrant=False)
+        outputs = checkpoint(run_group, *state.parts())
         done = state.layers_done + len(group)
         completed, partial = self.plan.state_after(2 * done)
         return DepthState.from_parts(

@@ -5,13 +5,15 @@
 * ``FinalAggregation`` attends once more over all blocks (own zero-init query and key norm),
   then applies the final norm; baseline just normalises the residual stream.
 * ``OutputLayer`` is the untied LM head. Logits stay vocabulary-sharded under tensor parallelism
-  and the loss is Megatron's vocab-parallel cross entropy.
+  and the loss is Megatron's vocab-parallel cross entropy (torch's on a single tensor rank).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from attnres_dist.model import dropout_streams
 from attnres_dist.model.block_plan import BlockPlan
 from attnres_dist.model.depth_mixing import DepthMixer
 from attnres_dist.model.depth_state import DepthState
@@ -58,6 +60,7 @@ class Embedding(torch.nn.Module):
         )
 
         self.plan = plan
+        self.dropout = config.hidden_dropout  # Megatron's embedding dropout
         self.embedding = LanguageModelEmbedding(
             config=config,
             vocab_size=vocab_size,
@@ -71,7 +74,9 @@ class Embedding(torch.nn.Module):
         return self.embedding.word_embeddings
 
     def forward(self, tokens: torch.Tensor) -> DepthState:
-        v0 = self.embedding(input_ids=tokens, position_ids=None)  # [s, b, h]
+        keyed = self.training and self.dropout > 0
+        with dropout_streams.layer_streams(dropout_streams.EMBEDDING, keyed):
+            v0 = self.embedding(input_ids=tokens, position_ids=None)  # [s, b, h]
         layout = None
         if self.documents is not None and self.documents.per_sample:
             layout = document_layout(tokens, self.documents)
@@ -129,12 +134,20 @@ def lm_loss(
 
     With a ``loss_mask`` ``[b, s]`` it is Megatron's masked mean over the micro-batch,
     ``sum(loss * mask) / sum(mask)`` (a micro-batch with nothing to predict gives 0).
+    With the vocabulary on one rank the per-token losses are torch's fused cross entropy;
+    split over tensor ranks, Megatron's vocab-parallel one (the same math, plus three
+    all-reduces over the tensor group, which on one rank are pure overhead).
     """
-    from megatron.core import tensor_parallel
+    from megatron.core import parallel_state, tensor_parallel
 
-    losses = tensor_parallel.vocab_parallel_cross_entropy(
-        logits.float(), labels.transpose(0, 1).contiguous()
-    )
+    labels = labels.transpose(0, 1)  # [s, b], as the logits
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        flat = logits.float().flatten(0, 1)
+        if loss_mask is None:
+            return F.cross_entropy(flat, labels.reshape(-1))
+        losses = F.cross_entropy(flat, labels.reshape(-1), reduction="none").view(labels.shape)
+    else:
+        losses = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.contiguous())
     if loss_mask is None:
         return losses.mean()
     mask = loss_mask.transpose(0, 1).to(losses.dtype)

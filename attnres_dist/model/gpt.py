@@ -10,8 +10,9 @@ The pipeline module (``attnres_dist.pipeline``) builds the same parts in the sam
 ``[embedding, layer_0 .. layer_{n-1}, final aggregation, lm head]``.
 
 The builder applies the run's ``RuntimeChoice`` (``attnres_dist.runtime``): the layer spec
-(local or Transformer Engine), the norm implementation and bf16 autocast are decided there and
-nowhere else. Without a choice it builds the reference path (local spec, torch ops, fp32).
+(local or Transformer Engine) and the norm implementation are decided there and nowhere else
+(bf16 is DeepSpeed's engine: it casts the built parts). Without a choice it builds the
+reference path (local spec, torch ops, fp32).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import zlib
 
 import torch
 
-from attnres_dist.model import megatron_compat
+from attnres_dist.model import dropout_streams, megatron_compat
 from attnres_dist.model.attnres_layer import AttnResLayer, configure_recompute
 from attnres_dist.model.block_plan import BlockPlan
 from attnres_dist.model.depth_mixing import configure_segments
@@ -84,7 +85,7 @@ class ModelBuilder:
             part = Embedding(
                 self.config, self.vocab_size, self.model.seq_length, self.plan, self.documents
             )
-        return kernels.autocast_part(part, self.runtime)
+        return part
 
     def layer(self, index: int) -> AttnResLayer:
         from megatron.core.transformer.spec_utils import build_module
@@ -99,7 +100,7 @@ class ModelBuilder:
                 impl=self.depth_attention,
                 rotary_base=self.model.rotary_base,
             )
-        return kernels.autocast_part(part, self.runtime)
+        return part
 
     def final(self) -> FinalAggregation:
         with seeded(self.seed, "final"):
@@ -107,12 +108,12 @@ class ModelBuilder:
         norm = kernels.final_norm(self.runtime, self.config)  # gain init 1: no RNG drawn
         if norm is not None:
             part.final_norm = norm
-        return kernels.autocast_part(part, self.runtime)
+        return part
 
     def output(self) -> OutputLayer:
         with seeded(self.seed, "output"):
             part = OutputLayer(self.config, self.vocab_size)
-        return kernels.autocast_part(part, self.runtime)
+        return part
 
 
 class AttnResGPT(torch.nn.Module):
@@ -143,6 +144,8 @@ class AttnResGPT(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Vocabulary-sharded logits ``[s, b, v / tp]``."""
+        if self.training:  # one training forward = one micro-batch (dropout streams' key)
+            dropout_streams.next_micro_batch()
         hidden = self.hidden_states(tokens)
         if self.tie_embeddings:
             return self.embedding.logits(hidden)

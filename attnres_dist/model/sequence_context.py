@@ -5,14 +5,21 @@ computes them locally (nothing about them crosses a pipeline boundary) and cache
 The mask is always explicit: Megatron's implicit default mask is built on ``device="cuda"``.
 With Megatron's document options (``model/document_masks.py``) ``with_layout`` replaces them by
 per-sample ones: a ``[b, 1, s, s]`` mask and the rotary angles of each token's position id.
+``is_plain_causal_mask`` recognises the plain causal masks built here, so a core attention
+that has a causal fast path (``SdpaAttention``) can take it without reading the mask.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+
+# id -> causal mask built here, held weakly: an entry leaves when its mask does (lru eviction),
+# so an id reused by a later tensor is never mistaken for a causal mask
+_CAUSAL_MASKS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
 @dataclass(frozen=True)
@@ -50,4 +57,11 @@ def _cached(seq_len: int, kv_channels: int, rotary_base: int, device: str) -> Se
     with torch.no_grad():
         emb = rope(seq_len).to(device)
         mask = torch.triu(torch.ones(seq_len, seq_len, device=device), diagonal=1).bool()
-    return SequenceContext(mask[None, None], emb)
+    mask = mask[None, None]
+    _CAUSAL_MASKS[id(mask)] = mask
+    return SequenceContext(mask, emb)
+
+
+def is_plain_causal_mask(mask: torch.Tensor) -> bool:
+    """True if ``mask`` is a causal mask built by ``sequence_context`` (an identity check)."""
+    return _CAUSAL_MASKS.get(id(mask)) is mask

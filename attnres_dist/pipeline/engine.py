@@ -8,10 +8,14 @@ Gradient clipping is done here rather than by DeepSpeed: the global norm must co
 parameter exactly once, i.e. tensor-parallel shards on every tensor rank, replicated parameters
 (norms, depth-attention queries) on tensor rank 0 only, and the tied embedding on its first
 stage only. The optimizer's ``step`` clips with that norm, summed over the pipeline and tensor
-ranks that share this data-parallel rank.
+ranks that share this data-parallel rank. Under DeepSpeed's bf16 engine or ZeRO-1
+(``precision.py``) DeepSpeed's optimizer wrapper owns the gradients and clips them itself, with
+a norm that follows the same count-once rule.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -22,7 +26,7 @@ from attnres_dist.parallel.comm_device import comm_device
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import check_groups_agree
 from attnres_dist.parallel.tp_shards import gather_full
-from attnres_dist.pipeline import watchdog
+from attnres_dist.pipeline import precision, watchdog
 from attnres_dist.pipeline.module import AttnResPipelineModule
 from attnres_dist.pipeline.naming import canonical_name
 from attnres_dist.pipeline.partition import compute_parts
@@ -59,19 +63,18 @@ class GlobalNormClip:
         if self.grad_probe is not None:
             self.grad_probe()
         if self.max_norm > 0:
+            # torch's multi-tensor kernels: one norm per device over this rank's counted grads,
+            # squared and summed over the group, then one fused in-place scaling of all grads
             grads = [p.grad for p in self.norm_params if p.grad is not None]
-            sq = torch.zeros((), dtype=torch.float64, device=comm_device())
-            for g in grads:
-                sq += g.detach().double().pow(2).sum()
+            if grads:
+                sq = torch.nn.utils.get_total_norm(grads, foreach=True).double().square()
+            else:  # a rank may count nothing (e.g. only replicated params on tensor rank > 0)
+                sq = torch.zeros((), dtype=torch.float64, device=comm_device())
             dist.all_reduce(sq, group=self.norm_group)
-            norm = sq.sqrt().item()
-            self.last_grad_norm = norm
-            coef = self.max_norm / (norm + 1e-6)
-            if coef < 1.0:
-                for group in self.param_groups:
-                    for p in group["params"]:
-                        if p.grad is not None:
-                            p.grad.mul_(coef)
+            norm = sq.sqrt()
+            self.last_grad_norm = norm.item()
+            params = [p for group in self.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm, foreach=True)
         return super().step(closure)
 
 
@@ -94,6 +97,9 @@ class PipelineEngine:
 
         # pipeline training needs no shared-memory comm op; building it JIT-compiles for ~2 min
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        # a plain single process (bf16 engine on one rank) exports no launch variables;
+        # DeepSpeed's PipelineModule reads this one
+        os.environ.setdefault("LOCAL_RANK", str(launch.local_rank))
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
         self.cfg, self.dims = cfg, dims
         self.runtime = builder.runtime
@@ -114,11 +120,11 @@ class PipelineEngine:
             "train_batch_size": t.global_batch_size,
             "train_micro_batch_size_per_gpu": t.micro_batch_size,
             "gradient_accumulation_steps": cfg.grad_accum_steps,
-            "gradient_clipping": 0.0,  # done by ClippedAdamW with the right norm
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
-            "zero_optimization": {"stage": 0},
             "pipeline": {"use_reentrant": False},
+            # bf16 engine / ZeRO-1 (DeepSpeed clips), or fp32 ZeRO-0 (ClippedAdamW clips)
+            **precision.ds_config_section(cfg, self.runtime),
         }
         self.engine, _, _, _ = deepspeed.initialize(
             model=self.module,
@@ -131,6 +137,10 @@ class PipelineEngine:
                 f"DeepSpeed's engine runs on {self.engine.device} but the run's collectives use "
                 f"{comm_device()} (parallel/comm_device.py); the accelerator was misdetected"
             )
+        # checkpoints read and write DeepSpeed's flat fp32 partitions through this view
+        self.sharded_state = None
+        if precision.wrapped(cfg, self.runtime):
+            self.sharded_state = precision.ShardedState(self.engine.optimizer, self.optimizer)
         watchdog.install(self.engine, self.parts, cfg.model.num_layers, cfg.parallel.timeout_s)
 
     def _owned(self, p: torch.nn.Parameter) -> bool:
@@ -144,6 +154,11 @@ class PipelineEngine:
             for _, p in self.module.named_parameters()
             if self._owned(p) and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False))
         ]
+        self.norm_params = norm_params
+        if precision.wrapped(self.cfg, self.runtime):  # DeepSpeed's wrapper clips (precision.py)
+            return build_optimizer(
+                self.module, self.cfg.optim, self.cfg.train.steps, adam_class(self.runtime)
+            )
         return build_optimizer(
             self.module,
             self.cfg.optim,
@@ -180,6 +195,9 @@ class PipelineEngine:
     @property
     def last_grad_norm(self) -> float | None:
         """The global gradient norm before clipping of the last step (None without clipping)."""
+        if self.sharded_state is not None:
+            norm = self.engine.get_global_grad_norm()
+            return None if norm is None else float(norm)
         return self.optimizer.last_grad_norm
 
     @property
@@ -206,9 +224,7 @@ class PipelineEngine:
 
     def global_num_parameters(self, local: int) -> int:
         """Parameters of the whole model, each counted once (see ``_build_optimizer``)."""
-        count = torch.tensor(
-            sum(p.numel() for p in self.optimizer.norm_params), device=comm_device()
-        )
+        count = torch.tensor(sum(p.numel() for p in self.norm_params), device=comm_device())
         if self.dims.dp > 1 and self.dims.coords(self.rank)[1] != 0:
             count.zero_()
         dist.all_reduce(count)
@@ -228,7 +244,10 @@ class PipelineEngine:
         for name, param in self.module.named_parameters():
             if not self._owned(param):
                 continue
-            full = gather_full(param, group=tp_group)
+            value = param
+            if self.sharded_state is not None:  # the fp32 master weight (collective over dp)
+                value = self.sharded_state.master(param)
+            full = gather_full(value, param, group=tp_group)
             if dp_rank == 0 and tp_rank == 0:
                 local[canonical_name(name, n)] = full.cpu()  # pickled to rank 0 by gather_object
         gathered = [None] * dist.get_world_size() if self.rank == 0 else None

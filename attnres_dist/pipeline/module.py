@@ -29,6 +29,7 @@ import dataclasses
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
+from attnres_dist.model import dropout_streams
 from attnres_dist.model.attnres_layer import configure_recompute
 from attnres_dist.model.depth_mixing import configure_segments
 from attnres_dist.model.depth_state import DepthState
@@ -163,6 +164,8 @@ class AttnResPipelineModule(PipelineModule):
         return self.documents is not None and self.documents.per_sample
 
     def forward(self, forward_input):
+        if self.training:  # one training forward per micro-batch, in order (dropout streams)
+            dropout_streams.next_micro_batch()
         start = self._local_start
         if 1 <= start <= self.plan.num_layers + 1:  # this stage starts with a layer or final
             layers_done = start - 1

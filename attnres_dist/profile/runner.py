@@ -165,7 +165,7 @@ def _profile(trainer, opts: ProfileOptions) -> dict | None:
     engine = trainer.engine
     ds_engine = engine.engine
     vocab = trainer.builder.vocab_size
-    specs = boundary_specs_for_config(cfg, vocab)
+    specs = boundary_specs_for_config(cfg, vocab, trainer.runtime.activation_dtype)
     links = calibrate_links(
         dims, rank, {s.sender: s.bytes_forward for s in specs}, reps=opts.pingpong_reps
     )

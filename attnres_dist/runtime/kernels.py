@@ -5,20 +5,20 @@
   norms are identities because TE fuses each norm into the linear after it, so the AttnRes
   layer's ``f(x) = Sublayer(Norm(x))`` holds either way. Parameter names differ between the
   two specs: a checkpoint belongs to the spec it was trained with.
+* ``core_attention``: under the local spec, ``SdpaAttention`` (torch's fused SDPA) in place of
+  Megatron's ``DotProductAttention`` and ``SdpaSelfAttention`` (rotary embedding from tables)
+  in place of ``SelfAttention``, or Megatron's own; the parameters are the same, so the
+  choice never changes a checkpoint. The TE spec keeps TE's attention.
 * ``norm_class``: apex's FusedRMSNorm or torch's RMSNorm, built with Megatron's norm signature
   (Megatron's own apex norm, FusedLayerNorm, refuses RMSNorm). Both name their gain ``weight``.
 * ``adam_class``: apex FusedAdam in AdamW mode (decoupled weight decay, as torch.optim.AdamW)
   or torch's AdamW.
-* ``autocast_part``: bf16 forward passes with fp32 parameters (the master weights), per part.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from attnres_dist.model.depth_state import DepthState
 from attnres_dist.runtime.select import RuntimeChoice
 
 
@@ -28,6 +28,11 @@ def layer_spec(choice: RuntimeChoice):
     if choice.layer_spec.value == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    if choice.core_attention.value == "sdpa":
+        from attnres_dist.model.sdpa_attention import SdpaAttention, SdpaSelfAttention
+
+        spec.submodules.self_attention.module = SdpaSelfAttention
+        spec.submodules.self_attention.submodules.core_attention = SdpaAttention
     if choice.norm.value == "apex":
         spec.submodules.input_layernorm = ApexRMSNorm
         spec.submodules.pre_mlp_layernorm = ApexRMSNorm
@@ -57,40 +62,3 @@ def adam_class(choice: RuntimeChoice) -> type[torch.optim.Optimizer]:
         # adam_w_mode defaults to True: the same update as torch.optim.AdamW
         return FusedAdam
     return torch.optim.AdamW
-
-
-def autocast_part(module: torch.nn.Module, choice: RuntimeChoice) -> torch.nn.Module:
-    """Run ``module``'s forward (and tied ``logits``) under bf16 autocast, when chosen.
-
-    Outputs are cast to bf16 as well: the embedding lookup is not an autocast op, and depth
-    attention needs all its sources in one dtype, so every tensor a part hands on (DepthState
-    sources, hidden states, logits) is bf16. Parameters stay fp32 and the optimizer updates
-    them in fp32. The methods are replaced on the instance, not wrapped in a new module, so
-    parameter names (and checkpoints) do not change.
-    """
-    dtype = choice.autocast_dtype
-    if dtype is None:
-        return module
-    device_type = choice.device.value
-    for name in ("forward", "logits"):
-        method = getattr(module, name, None)
-        if method is not None:
-            object.__setattr__(module, name, _autocast(method, device_type, dtype))
-    return module
-
-
-def _autocast(method, device_type: str, dtype: torch.dtype):
-    @functools.wraps(method)
-    def run(*args, **kwargs):
-        with torch.autocast(device_type, dtype=dtype):
-            return _cast(method(*args, **kwargs), dtype)
-
-    return run
-
-
-def _cast(out, dtype: torch.dtype):
-    if isinstance(out, DepthState):
-        return out.to(dtype)
-    if torch.is_tensor(out) and out.is_floating_point():
-        return out.to(dtype)
-    return out

@@ -1,13 +1,17 @@
 """Choosing the fast paths at start-up, from the config's ``runtime`` section and the probes.
 
 ``auto`` takes a fast path when this machine has it: Megatron-Core's Transformer Engine layer
-spec, apex's fused RMSNorm and FusedAdam, bf16 autocast, all only with a CUDA device (their
-kernels are GPU-only); otherwise the local layer spec, torch norms, torch AdamW and fp32. An
+spec, apex's fused RMSNorm and FusedAdam, DeepSpeed's bf16 engine, all only with a CUDA device
+(their kernels are GPU-only); otherwise the local layer spec, torch norms, torch AdamW and fp32. The
+local spec's core attention is torch's ``scaled_dot_product_attention`` on every device
+(``attnres_dist.model.sdpa_attention``; ``megatron`` keeps Megatron's unfused one); the TE
+spec brings Transformer Engine's attention, so there the choice is TE's. An
 explicit request is honoured or refused: asking for a path this machine cannot run is a
 ``ConfigError`` naming the field, before any process group starts, never a silent fallback.
 
-bf16 is GPU-only for a further reason: Megatron's linear layers re-enter autocast in their
-backward for CUDA only, so a CPU-autocast backward fails on a bf16/fp32 matmul.
+bf16 is DeepSpeed's bf16 engine (``pipeline/precision.py``: bf16 parameters, fp32 master
+weights in its optimizer). ``auto`` takes it on a GPU that supports bf16; it also runs on CPU
+(DeepSpeed's CPU accelerator), where it is taken only when asked for explicitly.
 
 The depth-attention implementation (``model.attnres.impl``) is resolved here too: ``auto``
 takes the ``triton`` kernel on a CUDA device when its requirement is met, else the torch
@@ -44,6 +48,8 @@ class RuntimeChoice:
     norm: Choice  # apex | torch
     optimizer: Choice  # apex | torch
     dtype: Choice  # bf16 | fp32
+    # sdpa | megatron | te (the TE spec's own); hand-built choices get the reference one
+    core_attention: Choice = Choice("megatron", "reference path")
     # a registered implementation name; None: the builder resolves the model config's impl
     depth_attention: Choice | None = None
 
@@ -57,6 +63,7 @@ class RuntimeChoice:
             Choice("torch", why),
             Choice("torch", why),
             Choice("fp32", why),
+            Choice("megatron", why),
         )
 
     @classmethod
@@ -79,9 +86,14 @@ class RuntimeChoice:
         return self.device.value == "cuda"
 
     @property
-    def autocast_dtype(self) -> torch.dtype | None:
-        """The autocast dtype of forward passes, None for plain fp32."""
-        return torch.bfloat16 if self.dtype.value == "bf16" else None
+    def bf16(self) -> bool:
+        """DeepSpeed's bf16 engine (bf16 parameters, fp32 master weights)."""
+        return self.dtype.value == "bf16"
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype of activations and of the stage-to-stage payloads."""
+        return torch.bfloat16 if self.bf16 else torch.float32
 
     def describe(self) -> str:
         choices = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -165,8 +177,27 @@ def select_runtime(runtime, depth_attention: str = "auto") -> RuntimeChoice:
     optimizer = _pick(
         p, "fused_optimizer", runtime.fused_optimizer, "apex", "torch", "off", "apex_adam"
     )
-    dtype = _pick(p, "dtype", runtime.dtype, "bf16", "fp32", "fp32", "bf16")
+    if runtime.dtype == "bf16" and not cuda.ok:  # DeepSpeed's bf16 engine runs on CPU too
+        dtype = Choice("bf16", "set in config; on CPU")
+    else:
+        dtype = _pick(p, "dtype", runtime.dtype, "bf16", "fp32", "fp32", "bf16")
     if dtype.value == "bf16":
-        dtype = Choice("bf16", f"{dtype.reason}; autocast, fp32 master weights")
+        dtype = Choice("bf16", f"{dtype.reason}; DeepSpeed bf16 engine, fp32 master weights")
+    core_attention = _core_attention(runtime.core_attention, layer_spec)
     impl = select_depth_attention(depth_attention, device.value)
-    return RuntimeChoice(device, layer_spec, norm, optimizer, dtype, impl)
+    return RuntimeChoice(device, layer_spec, norm, optimizer, dtype, core_attention, impl)
+
+
+def _core_attention(requested: str, layer_spec: Choice) -> Choice:
+    """SDPA unless Megatron's own is asked for; under the TE spec, TE's (nothing to choose)."""
+    if layer_spec.value == "te":
+        if requested == "auto":
+            return Choice("te", "Transformer Engine's, part of the te layer spec")
+        raise ConfigError(
+            "runtime.core_attention",
+            f"{requested!r} applies to the local layer spec but layer_spec=te "
+            f"({layer_spec.reason}); use auto or set runtime.layer_spec=local",
+        )
+    if requested == "auto":
+        return Choice("sdpa", "torch scaled_dot_product_attention")
+    return Choice(requested, "set in config")

@@ -107,6 +107,7 @@ class ParallelConfig:
     partition: str | list[int] = "uniform"  # uniform | parameters | [layers per stage]
     recompute: str = "none"  # none | attnres | full
     recompute_interval: int = 1  # layers per checkpointed chunk with recompute: full
+    zero_stage: int = 0  # 0 | 1: ZeRO-1 shards fp32 master weights and AdamW state over dp
     timeout_s: int = 600  # process-group and stage-to-stage wait limit
 
 
@@ -118,7 +119,11 @@ class RuntimeConfig:
     # str | bool: YAML reads a bare on/off as true/false; __post_init__ turns them back
     fused_norm: str | bool = "auto"  # auto | on | off (apex FusedRMSNorm)
     fused_optimizer: str | bool = "auto"  # auto | on | off (apex FusedAdam)
-    dtype: str = "auto"  # auto | fp32 | bf16 (bf16 autocast, fp32 master weights; GPU only)
+    # auto | fp32 | bf16 (DeepSpeed's bf16 engine: bf16 params and payloads, fp32 master
+    # weights; auto takes it on a GPU with bf16, explicit bf16 runs on CPU too)
+    dtype: str = "auto"
+    # auto | sdpa | megatron: the local spec's core attention (torch SDPA or Megatron's own)
+    core_attention: str = "auto"
 
     def __post_init__(self):
         for name in ("fused_norm", "fused_optimizer"):

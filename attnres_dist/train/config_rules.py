@@ -161,6 +161,11 @@ def validate(cfg: Config) -> None:
         "parallel.recompute_interval",
         f"got {p.recompute_interval}; must be >= 1",
     )
+    _require(
+        p.zero_stage in (0, 1),
+        "parallel.zero_stage",
+        f"got {p.zero_stage}; allowed: 0, 1 (ZeRO-2/3 do not run with DeepSpeed's pipeline engine)",
+    )
     _require(p.timeout_s >= 1, "parallel.timeout_s", f"got {p.timeout_s}; must be >= 1")
     k = cfg.metrics.every_k
     _require(k >= 0, "metrics.every_k", f"got {k}; must be >= 0 (0 = off, k = every k-th step)")
@@ -184,6 +189,7 @@ def _validate_runtime(r: RuntimeConfig) -> None:
         ("fused_norm", ("auto", "on", "off")),
         ("fused_optimizer", ("auto", "on", "off")),
         ("dtype", ("auto", "fp32", "bf16")),
+        ("core_attention", ("auto", "sdpa", "megatron")),
     ):
         value = getattr(r, name)
         _require(

@@ -29,10 +29,12 @@ from attnres_dist.checkpoint.manager import Checkpointing
 from attnres_dist.data.gpt_samples import open_samples, plan_data
 from attnres_dist.diagnostics.collector import Diagnostics
 from attnres_dist.errors import ConfigError
+from attnres_dist.model import dropout_streams
 from attnres_dist.model.document_masks import DocumentOptions
 from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
+from attnres_dist.pipeline import precision
 from attnres_dist.runtime import select_runtime
 from attnres_dist.train.config import Config
 from attnres_dist.train.guards import check_finite_loss
@@ -103,6 +105,7 @@ class Trainer:
         vocab = model_vocab_size(cfg, self.meta)
         # fast paths; refusals are ConfigErrors
         self.runtime = select_runtime(cfg.runtime, cfg.model.attnres.impl)
+        precision.check_supported(cfg, self.runtime, self.dims.world_size)
         # so does choosing the checkpoint to resume: missing, damaged or foreign ones are bad input
         self.checkpoints = Checkpointing.for_run(cfg, self.meta, vocab, self.dims.tp)
         self.launch = init_distributed(
@@ -143,7 +146,9 @@ class Trainer:
 
     def _build_engine(self):
         cfg = self.cfg
-        if self.dims.world_size == 1:
+        # one process is the plain-PyTorch fp32 reference; DeepSpeed runs everything else,
+        # including its bf16 engine on one process
+        if self.dims.world_size == 1 and not self.runtime.bf16:
             from attnres_dist.train.local_engine import LocalEngine
 
             model = AttnResGPT(
@@ -203,6 +208,9 @@ class Trainer:
         valid_loss = None
         for step in range(self.start_step, t.steps):
             faults.maybe_fail("before-step", rank, step + 1)
+            # dropout masks: a function of (seed, step, global micro-batch, layer), any layout
+            dp_rank = self.dims.coords(rank)[1]
+            dropout_streams.begin_step(t.seed, step, dp_rank * cfg.grad_accum_steps)
             with self.diagnostics.step(step + 1):  # measures one micro-batch every k steps
                 loss = self.engine.train_step(self.micro_batches(step))
             check_finite_loss(loss, step + 1, self.checkpoints.last_good)  # before any save
@@ -224,6 +232,7 @@ class Trainer:
             faults.maybe_fail("after-step", rank, step + 1)
             if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 != t.steps:
                 self.evaluate(step + 1)
+        dropout_streams.end()  # later forwards outside the loop draw sequentially again
         valid_loss = self.evaluate(t.steps)
         test_loss = self.evaluate(t.steps, "test") if self.test_data is not None else None
         wall = time.perf_counter() - start

@@ -1,0 +1,249 @@
+"""Model-level benchmark (one process): what AttnRes costs over a plain residual, and what the
+Megatron-layer model costs over a plain-PyTorch GPT.
+
+Every number is a training step (forward + backward + AdamW) on one ``[batch, seq + 1]`` token
+window, timed with every variant of a group interleaved (the order rotates each repetition)
+and reported as the median; the machine is shared, so the ratios are the result.
+
+* ``step``: for each shape (``SHAPES``: the tiny default, the study's 12 x 64, a deep 32 x 64),
+  baseline, Block and Full AttnRes, each on the old path (``model.attnres.impl=lean``,
+  Megatron's core attention) and the new one (the config's default depth-attention
+  implementation, ``runtime.core_attention=auto``). Ratios: AttnRes / baseline per path, and
+  new / old per mode. The implementations are parameters (``old_impl``, ``new_impl``; None =
+  the config's default), so a newly registered one is measured by naming it.
+* ``throughput``: tokens/s of ``make train-single``'s model (``configs/tiny.yaml``) on either
+  path and of its baseline-residual twin, against ``PlainGPT`` of the same shape
+  (``attnres_dist.bench.plain_gpt``), in the same process and threads.
+
+``run(out_dir)`` writes ``out_dir/model.json`` and returns it.
+Usage: ``python -m attnres_dist.bench.model_bench --out DIR [--quick]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from attnres_dist.bench.launch_job import REPO
+
+CONFIG = REPO / "configs" / "tiny.yaml"
+VOCAB = 257  # the byte tokenizer's
+SHAPES: dict[str, tuple[str, ...]] = {
+    "4x128 S=2": (),  # configs/tiny.yaml as it is
+    "12x64 S=3": ("model.num_layers=12", "model.hidden_size=64", "model.attnres.block_size=3"),
+    "32x64 S=4": ("model.num_layers=32", "model.hidden_size=64", "model.attnres.block_size=4"),
+}
+MODES = ("baseline", "block", "full")
+THREADS = 2
+FLOOR_MEGATRON_OVER_PLAIN = 0.85
+
+
+def path_overrides(path: str, old_impl: str = "lean", new_impl: str | None = None) -> list[str]:
+    """Config words of the ``old`` path (lean op, Megatron's attention) or the ``new`` one."""
+    if path == "old":
+        return [f"model.attnres.impl={old_impl}", "runtime.core_attention=megatron"]
+    impl = [] if new_impl is None else [f"model.attnres.impl={new_impl}"]
+    return [*impl, "runtime.core_attention=auto"]
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class Case:
+    """One model and its optimizer, stepping on a fixed token window."""
+
+    def __init__(self, model: torch.nn.Module, window: torch.Tensor, describe: str):
+        self.model = model
+        self.window = window
+        self.describe = describe
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+        self.model.train()
+
+    def step(self) -> float:
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.loss(self.window).backward()
+        self.optimizer.step()
+        if self.window.is_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+
+def build_case(overrides: list[str], window: torch.Tensor, config=CONFIG) -> Case:
+    """The project's model as ``make train-single`` builds it (runtime selection included)."""
+    from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
+    from attnres_dist.runtime import select_runtime
+    from attnres_dist.train.config import load_config
+
+    cfg = load_config(config, overrides)
+    runtime = select_runtime(cfg.runtime)
+    model = AttnResGPT(ModelBuilder(cfg.model, VOCAB, seed=cfg.train.seed, runtime=runtime))
+    impl = cfg.model.attnres.impl
+    describe = f"{model.plan.describe()}; impl={impl}; {runtime.core_attention.value} attention"
+    return Case(model, window.to(model.device), describe)
+
+
+def build_plain(overrides: list[str], window: torch.Tensor, config=CONFIG) -> Case:
+    from attnres_dist.bench.plain_gpt import PlainGPT
+    from attnres_dist.model.megatron_config import padded_vocab_size
+    from attnres_dist.train.config import load_config
+
+    cfg = load_config(config, overrides)
+    vocab = padded_vocab_size(VOCAB, cfg.model.make_vocab_size_divisible_by, 1)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = PlainGPT(cfg.model, vocab).to(device)
+    return Case(model, window.to(device), "plain-PyTorch GPT (SDPA, RoPE, SwiGLU, RMSNorm)")
+
+
+def interleaved(cases: dict[str, Case], reps: int, warmup: int) -> dict[str, list[float]]:
+    """Step times per case; each repetition runs every case once, in a rotating order."""
+    names = list(cases)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(warmup + reps):
+        order = names[rep % len(names) :] + names[: rep % len(names)]
+        for name in order:
+            elapsed = cases[name].step()
+            if rep >= warmup:
+                times[name].append(elapsed)
+    return times
+
+
+def _window(batch: int, seq: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(
+        0, VOCAB - 1, (batch, seq + 1), generator=torch.Generator().manual_seed(seed)
+    )
+
+
+def _stats(samples: list[float]) -> dict:
+    return {"median": statistics.median(samples), "samples": samples}
+
+
+def step_group(
+    shape: tuple[str, ...], window, reps: int, warmup: int, old_impl: str, new_impl: str | None
+) -> dict:
+    """Baseline, Block and Full on the old and the new path at one shape, interleaved."""
+    seq = window.shape[1] - 1
+    cases = {}
+    for mode in MODES:
+        for path in ("old", "new"):
+            words = [*shape, f"model.seq_length={seq}", f"model.attnres.mode={mode}"]
+            cases[f"{mode}_{path}"] = build_case(
+                [*words, *path_overrides(path, old_impl, new_impl)], window
+            )
+    times = interleaved(cases, reps, warmup)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    ratios = {}
+    for path in ("old", "new"):
+        for mode in ("block", "full"):
+            ratios[f"{mode}_over_baseline_{path}"] = med[f"{mode}_{path}"] / med[f"baseline_{path}"]
+    for mode in MODES:
+        ratios[f"{mode}_new_over_old"] = med[f"{mode}_new"] / med[f"{mode}_old"]
+    return {
+        "variants": {
+            n: {"model": c.describe, "step_s": _stats(times[n])} for n, c in cases.items()
+        },
+        "ratios": ratios,
+    }
+
+
+def throughput_group(
+    shape: tuple[str, ...], window, reps: int, warmup: int, old_impl, new_impl
+) -> dict:
+    """tokens/s of the train-single model (both paths), its baseline twin and the plain GPT."""
+    seq = window.shape[1] - 1
+    words = [*shape, f"model.seq_length={seq}"]
+    cases = {
+        "attnres_new": build_case([*words, *path_overrides("new", old_impl, new_impl)], window),
+        "attnres_old": build_case([*words, *path_overrides("old", old_impl, new_impl)], window),
+        "baseline_new": build_case(
+            [*words, "model.attnres.mode=baseline", *path_overrides("new", old_impl, new_impl)],
+            window,
+        ),
+        "plain": build_plain(words, window),
+    }
+    times = interleaved(cases, reps, warmup)
+    tokens = window.shape[0] * seq
+    rate = {name: tokens / statistics.median(t) for name, t in times.items()}
+    return {
+        "variants": {
+            n: {"model": c.describe, "tokens_per_s": rate[n], "step_s": _stats(times[n])}
+            for n, c in cases.items()
+        },
+        "ratios": {
+            "attnres_new_over_plain": rate["attnres_new"] / rate["plain"],
+            "attnres_old_over_plain": rate["attnres_old"] / rate["plain"],
+            "baseline_new_over_plain": rate["baseline_new"] / rate["plain"],
+        },
+        "floor_attnres_over_plain": FLOOR_MEGATRON_OVER_PLAIN,
+    }
+
+
+def run(
+    out_dir: str | Path,
+    shapes: dict[str, tuple[str, ...]] | None = None,
+    throughput_shape: tuple[str, ...] = (),
+    batch: int = 16,
+    seq: int = 128,
+    reps: int = 9,
+    warmup: int = 2,
+    old_impl: str = "lean",
+    new_impl: str | None = None,
+) -> dict:
+    """Run both groups, write ``out_dir/model.json`` and return its content."""
+    from attnres_dist.parallel.dims import ParallelDims
+    from attnres_dist.parallel.process_groups import init_distributed
+
+    init_distributed(ParallelDims(), seed=0)  # Megatron's layers need its (1-rank) groups
+    out_path = Path(out_dir)
+    out_path.mkdir(parents=True, exist_ok=True)
+    window = _window(batch, seq)
+    with threads(THREADS):
+        step = {
+            name: step_group(words, window, reps, warmup, old_impl, new_impl)
+            for name, words in (SHAPES if shapes is None else shapes).items()
+        }
+        throughput = throughput_group(throughput_shape, window, reps, warmup, old_impl, new_impl)
+    result = {
+        "config": {
+            "batch": batch,
+            "seq": seq,
+            "reps": reps,
+            "warmup": warmup,
+            "threads": THREADS,
+            "old_path": path_overrides("old", old_impl, new_impl),
+            "new_path": path_overrides("new", old_impl, new_impl),
+        },
+        "step": step,
+        "throughput": throughput,
+    }
+    (out_path / "model.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench_results")
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--old-impl", default="lean")
+    parser.add_argument("--new-impl", default=None, help="default: the config's default")
+    args = parser.parse_args(argv)
+    result = run(args.out, reps=args.reps, old_impl=args.old_impl, new_impl=args.new_impl)
+    print(json.dumps({k: v["ratios"] for k, v in result["step"].items()}, indent=2))
+    print(json.dumps(result["throughput"]["ratios"], indent=2))
+
+
+if __name__ == "__main__":
+    main()
