@@ -194,6 +194,25 @@ def _rank_zero_without_process_group():
         dist.get_rank = real
 
 
+@contextlib.contextmanager
+def _one_builder_at_a_time(cache_dir: str):
+    """Ranks open the data before any process group exists: a file lock lets one build the
+    index files while the others wait and then load them. Once a process group exists (a
+    process that builds several trainers), megatron-core's builder orders the ranks itself with
+    a barrier (rank 0 first), and holding the lock across that barrier would deadlock."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    with open(os.path.join(cache_dir, ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _blend_for(plan: DataPlan, suffix: str | None):
     prefixes = [
         p if suffix is None else indexed.split_prefix(p, suffix) for p in plan.blend.prefixes
@@ -247,10 +266,7 @@ def open_samples(
         )
         sizes = [train_samples, held_out, held_out if plan.split[2] > 0 else None]
     os.makedirs(config.path_to_cache, exist_ok=True)
-    with open(os.path.join(config.path_to_cache, ".lock"), "a") as lock:
-        # Ranks open the data before any process group exists: one builds the index files,
-        # the others wait and then load them.
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _one_builder_at_a_time(config.path_to_cache):
         try:
             with _rank_zero_without_process_group():
                 builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config)
@@ -261,8 +277,6 @@ def open_samples(
                 f"megatron-core could not build samples ({exc or 'assertion failed'}); "
                 "use more data or a shorter model.seq_length",
             ) from None
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
     names = ("train", "valid", "test")
     out = []
     for name, dataset in zip(names, built, strict=True):
