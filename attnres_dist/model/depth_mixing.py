@@ -73,6 +73,20 @@ class DepthMixer(torch.nn.Module):
         return self.merge(out1[0], lse[0], extra, state.store.dtype)
 
 
+class _StackParameters(torch.autograd.Function):
+    """``torch.stack`` of ``[D]`` parameters whose backward hands each parameter a gradient of
+    its own. ``stack``'s backward returns views of one ``[S, D]`` gradient; a parameter whose
+    first gradient is such a view keeps the whole ``[S, D]`` storage alive as its ``.grad``."""
+
+    @staticmethod
+    def forward(ctx, *params):
+        return torch.stack(params)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tuple(g.clone() for g in grad.unbind(0))
+
+
 @dataclass
 class Segment:
     """Consecutive local sublayers ``first ..`` whose queries phase 1 runs together."""
@@ -87,8 +101,8 @@ class Segment:
         if cache is not None and cache.first == self.first:
             return state
         op, eps = self.mixers[0]._op, self.mixers[0].eps
-        queries = torch.stack([m.query for m in self.mixers])
-        gains = torch.stack([m.key_norm_weight for m in self.mixers])
+        queries = _StackParameters.apply(*(m.query for m in self.mixers))
+        gains = _StackParameters.apply(*(m.key_norm_weight for m in self.mixers))
         # phase 1 reads the blocks completed when the block (or Full group) began, wherever
         # the segment starts: a stage or recompute cut then changes no arithmetic
         out1, lse = op.phase1(state.store[: self.rows], queries, gains, eps=eps)
