@@ -21,8 +21,7 @@ import os
 import sys
 import warnings
 
-from attnres_dist.errors import UserError
-from attnres_dist.train.guards import TrainingHalted
+from attnres_dist.errors import TrainingHalted, UserError
 
 
 def _add_run_args(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +30,7 @@ def _add_run_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _train(args) -> int:
-    from attnres_dist.train.config import load_config
+    from attnres_dist.config import load_config
 
     cfg = load_config(args.config, args.overrides)
     from attnres_dist.parallel.process_groups import shutdown_distributed
@@ -57,7 +56,7 @@ def _train(args) -> int:
 
 
 def _check_config(args) -> int:
-    from attnres_dist.train.config import load_config
+    from attnres_dist.config import load_config
 
     cfg = load_config(args.config, args.overrides)
     plan = cfg.model.block_plan()

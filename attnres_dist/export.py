@@ -104,8 +104,8 @@ def export_checkpoint(
 
 
 def _export_hf(ckpt, tensors: dict, tokenizer: dict, output: Path) -> Path:
+    from attnres_dist.config import config_from_dict
     from attnres_dist.hf.writer import write_hf_export
-    from attnres_dist.train.config import config_from_dict
 
     model = config_from_dict({"model": ckpt.config["model"]}).model
     extra = {
@@ -167,12 +167,12 @@ def load_exported(directory: str | Path, device: str | None = None):
     """
     import safetensors.torch
 
+    from attnres_dist.config import config_from_dict
     from attnres_dist.model import spec_names
     from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
     from attnres_dist.parallel.dims import ParallelDims
     from attnres_dist.parallel.process_groups import init_distributed
     from attnres_dist.runtime import RuntimeChoice
-    from attnres_dist.train.config import config_from_dict
 
     device = _device(device)
     directory = Path(directory)
@@ -212,10 +212,10 @@ def load_for_generation(directory: str | Path, device: str | None = None):
     only. ``device``: ``cuda`` or ``cpu`` (default: the GPU when there is one)."""
     import safetensors.torch
 
+    from attnres_dist.config import config_from_dict
     from attnres_dist.hf import writer
     from attnres_dist.hf.modeling_attnres import AttnResForCausalLM
     from attnres_dist.model import spec_names
-    from attnres_dist.train.config import config_from_dict
 
     device = _device(device)
     directory = Path(directory)

@@ -41,7 +41,7 @@ def _sample(root: Path, overrides: list[str], **manifest) -> Path:
 
     from attnres_dist.checkpoint import store
     from attnres_dist.checkpoint.state import model_signature
-    from attnres_dist.train.config import load_config
+    from attnres_dist.config import load_config
 
     cfg = load_config("configs/tiny.yaml", overrides)
     tmp = store.begin(root, 10)

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
+from attnres_dist.config.block_plan import BlockPlan
 from attnres_dist.errors import ConfigError
-from attnres_dist.model.block_plan import BlockPlan
 
 
 def brute_force(num_layers: int, size: int):

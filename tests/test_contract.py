@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnres_dist.model.block_plan import BlockPlan
+from attnres_dist.config import load_config
+from attnres_dist.config.block_plan import BlockPlan
 from attnres_dist.model.depth_state import DepthState
 from attnres_dist.pipeline.contract import (
     PayloadError,
@@ -22,7 +23,6 @@ from attnres_dist.pipeline.partition import (
     layer_counts_uniform,
     parts_from_counts,
 )
-from attnres_dist.train.config import load_config
 
 
 def state_after(plan: BlockPlan, layers: int, s=5, b=2, h=8, requires_grad=False):

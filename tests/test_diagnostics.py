@@ -18,6 +18,7 @@ import math
 import pytest
 import torch
 
+from attnres_dist.config import OptimConfig, load_config
 from attnres_dist.diagnostics.collector import FILENAME, Diagnostics
 from attnres_dist.diagnostics.grads import sublayer_of
 from attnres_dist.diagnostics.reading import reading
@@ -27,7 +28,6 @@ from attnres_dist.model.sequence_context import sequence_context
 from attnres_dist.ops import depth_attention_reference
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
-from attnres_dist.train.config import OptimConfig, load_config
 from attnres_dist.train.local_engine import LocalEngine
 from attnres_dist.train.trainer import Trainer
 from tests.conftest import run_job

@@ -89,8 +89,8 @@ def test_equals_megatron_per_sample_function():
 
 
 def tiny_model(documents):
+    from attnres_dist.config import ModelConfig
     from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
-    from attnres_dist.train.config import ModelConfig
 
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8)
     model = AttnResGPT(ModelBuilder(cfg, 16, seed=3, documents=documents))
@@ -162,7 +162,7 @@ def short_docs(tmp_path_factory) -> str:
 
 def single_process(args: list[str]) -> dict:
     """The reference run in this process (as ``tests/workers/train_case.py`` does it)."""
-    from attnres_dist.train.config import load_config
+    from attnres_dist.config import load_config
     from attnres_dist.train.trainer import Trainer
     from tests.test_checkpoint import in_process
 

@@ -27,8 +27,8 @@ import safetensors.torch
 import torch
 
 from attnres_dist.cli import main
+from attnres_dist.config import load_config
 from attnres_dist.parallel.process_groups import shutdown_distributed
-from attnres_dist.train.config import load_config
 from attnres_dist.train.trainer import Trainer
 from tests.conftest import LAUNCH_VARS, REPO
 from tests.test_checkpoint import args_for, in_process, train

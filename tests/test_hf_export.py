@@ -22,6 +22,7 @@ import safetensors.torch
 import torch
 
 from attnres_dist import generation
+from attnres_dist.config import load_config
 from attnres_dist.data.tokenizer import ByteTokenizer, HFTokenizer
 from attnres_dist.export import exported_tokenizer, generate, load_for_generation
 from attnres_dist.hf.weights import split_qkv
@@ -29,7 +30,6 @@ from attnres_dist.hf.writer import write_hf_export
 from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
-from attnres_dist.train.config import load_config
 from tests.test_data import make_hf_tokenizer
 
 TOL = 1e-5

@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attnres_dist.config import load_config
 from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
 from attnres_dist.model.sequence_context import sequence_context
 from attnres_dist.ops import depth_attention_reference
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
-from attnres_dist.train.config import load_config
 
 VOCAB = 257
 

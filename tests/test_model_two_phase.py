@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from attnres_dist.bench.saved_bytes import SavedTensorCounter
+from attnres_dist.config import load_config
 from attnres_dist.model.depth_mixing import FULL_GROUP, configure_segments
 from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
 from attnres_dist.pipeline.contract import pack, unpack
-from attnres_dist.train.config import load_config
 
 VOCAB = 257
 

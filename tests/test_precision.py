@@ -96,8 +96,8 @@ def test_profiler_measures_the_predicted_bf16_wire_bytes(small_dataset, tmp_path
     """Under the bf16 engine the payloads are bf16: half the fp32 contract's bytes, exactly."""
     import json
 
+    from attnres_dist.config import load_config
     from attnres_dist.pipeline.contract import boundary_specs_for_config
-    from attnres_dist.train.config import load_config
     from tests.test_profile import overrides as profile_overrides
     from tests.test_profile import profile_cli
 

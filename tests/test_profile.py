@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from attnres_dist.config import load_config
 from attnres_dist.pipeline.contract import boundary_specs_for_config
-from attnres_dist.train.config import load_config
 from tests.conftest import REPO, TINY_MODEL, run_job
 
 MODES = ["baseline", "full", "block"]

@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.utils.checkpoint
 
+from attnres_dist.config import load_config
 from attnres_dist.model import dropout_streams, megatron_compat, recompute
 from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
-from attnres_dist.train.config import load_config
 from tests.conftest import run_job
 from tests.test_pipeline_equivalence import overrides
 

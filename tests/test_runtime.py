@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attnres_dist.config import RuntimeConfig, config_from_dict, load_config
 from attnres_dist.errors import ConfigError
 from attnres_dist.runtime import Choice, RuntimeChoice, kernels, probes, select_runtime
-from attnres_dist.train.config import RuntimeConfig, config_from_dict, load_config
 
 OK = {
     "cuda": probes.Probe(True, "NVIDIA H100 80GB HBM3"),

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
+from attnres_dist.config import DataConfig
 from attnres_dist.data import indexed
 from attnres_dist.data.blend import parse_blend, parse_split
 from attnres_dist.data.gpt_samples import open_dataset, open_samples, plan_data
 from attnres_dist.data.tokenizer import ByteTokenizer
 from attnres_dist.errors import ConfigError, DataError
-from attnres_dist.train.config import DataConfig
 
 EOD = ByteTokenizer.eod
 SEQ = 8

@@ -16,6 +16,7 @@ import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+from attnres_dist.config import ModelConfig
 from attnres_dist.model import megatron_compat
 from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
 from attnres_dist.model.megatron_config import transformer_config
@@ -24,7 +25,6 @@ from attnres_dist.model.sequence_context import is_plain_causal_mask, sequence_c
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
 from attnres_dist.runtime import Choice, RuntimeChoice
-from attnres_dist.train.config import ModelConfig
 
 TOL = 1e-5
 VOCAB = 257

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from attnres_dist.train.config import AttnResConfig, ModelConfig
+from attnres_dist.config import AttnResConfig, ModelConfig
 from attnres_dist.train.flops import depth_sources, mfu, training_flops_per_token
 from attnres_dist.train.signals import StepSignals, peak_memory_bytes, resolve_peak_tflops
 

@@ -13,8 +13,9 @@ from fractions import Fraction
 import pytest
 from deepspeed.runtime.pipe import schedule as ds
 
+from attnres_dist.config import load_config
+from attnres_dist.config.block_plan import BlockPlan
 from attnres_dist.errors import ConfigError
-from attnres_dist.model.block_plan import BlockPlan
 from attnres_dist.pipeline.interleaved_schedule import InterleavedSchedule
 from attnres_dist.pipeline.schedule_sim import simulate
 from attnres_dist.pipeline.stage_cache_plan import (
@@ -25,7 +26,6 @@ from attnres_dist.pipeline.stage_cache_plan import (
 )
 from attnres_dist.pipeline.virtual_layout import VirtualLayout, build_layout, chunk_rank
 from attnres_dist.pipeline.virtual_report import format_virtual_plan
-from attnres_dist.train.config import load_config
 
 
 def model(num_layers, mode="block", block_size=2):

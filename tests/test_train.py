@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from attnres_dist.train.config import OptimConfig, load_config
-from attnres_dist.train.optim import lr_factor
+from attnres_dist.config import OptimConfig, load_config
+from attnres_dist.optim import lr_factor
 from tests.conftest import run_job
 
 FAST = [

@@ -35,11 +35,11 @@ PATHS = ("recompute", "hf_recompute", "cached")
 
 
 def _models(prompt: int, new: int, overrides: tuple[str, ...]):
+    from attnres_dist.config import load_config
     from attnres_dist.hf import writer
     from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
     from attnres_dist.parallel.dims import ParallelDims
     from attnres_dist.parallel.process_groups import init_distributed
-    from attnres_dist.train.config import load_config
 
     cfg = load_config("configs/tiny.yaml", [f"model.seq_length={prompt + new}", *overrides])
     init_distributed(ParallelDims(), seed=0)

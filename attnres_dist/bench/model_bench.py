@@ -84,9 +84,9 @@ class Case:
 
 def build_case(overrides: list[str], window: torch.Tensor, config=CONFIG) -> Case:
     """The project's model as ``make train-single`` builds it (runtime selection included)."""
+    from attnres_dist.config import load_config
     from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
     from attnres_dist.runtime import select_runtime
-    from attnres_dist.train.config import load_config
 
     cfg = load_config(config, overrides)
     runtime = select_runtime(cfg.runtime)
@@ -98,8 +98,8 @@ def build_case(overrides: list[str], window: torch.Tensor, config=CONFIG) -> Cas
 
 def build_plain(overrides: list[str], window: torch.Tensor, config=CONFIG) -> Case:
     from attnres_dist.bench.plain_gpt import PlainGPT
+    from attnres_dist.config import load_config
     from attnres_dist.model.megatron_config import padded_vocab_size
-    from attnres_dist.train.config import load_config
 
     cfg = load_config(config, overrides)
     vocab = padded_vocab_size(VOCAB, cfg.model.make_vocab_size_divisible_by, 1)

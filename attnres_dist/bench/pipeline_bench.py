@@ -164,10 +164,10 @@ def _worker(args) -> None:
 
     from attnres_dist.bench.model_bench import path_overrides
     from attnres_dist.bench.peak_memory import peak_bytes
+    from attnres_dist.config import load_config
     from attnres_dist.pipeline.contract import boundary_specs_for_config
     from attnres_dist.profile.schedule import ScheduleTimer
     from attnres_dist.profile.wire import WireTap
-    from attnres_dist.train.config import load_config
     from attnres_dist.train.trainer import Trainer
 
     trainers, specs = {}, {}

@@ -131,8 +131,8 @@ def _worker(args) -> None:
     import torch
     import torch.distributed as dist
 
+    from attnres_dist.config import load_config
     from attnres_dist.parallel.comm_device import comm_device
-    from attnres_dist.train.config import load_config
     from attnres_dist.train.trainer import Trainer
 
     trainers = {}

@@ -35,10 +35,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from attnres_dist.config.block_plan import BlockPlan
 from attnres_dist.diagnostics.grads import GradMeter, norms
 from attnres_dist.diagnostics.probe import ActivationProbe
 from attnres_dist.model.attnres_layer import AttnResLayer
-from attnres_dist.model.block_plan import BlockPlan
 from attnres_dist.model.embedding_head import FinalAggregation
 
 FILENAME = "diagnostics.jsonl"

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from attnres_dist.model.block_plan import BlockPlan
+from attnres_dist.config.block_plan import BlockPlan
 
 _ATTENTION_PARTS = ("attn_mixer.", "layer.input_layernorm.", "layer.self_attention.")
 _MLP_PARTS = ("mlp_mixer.", "layer.pre_mlp_layernorm.", "layer.mlp.")

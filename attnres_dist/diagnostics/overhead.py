@@ -18,7 +18,7 @@ VARIANTS = ("baseline", "block", "full")
 
 
 def measure(config: str, variant: str, steps: int, overrides: list[str]) -> dict:
-    from attnres_dist.train.config import load_config
+    from attnres_dist.config import load_config
     from attnres_dist.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory(prefix="attnres-overhead-") as run_dir:

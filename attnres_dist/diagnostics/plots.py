@@ -23,8 +23,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
+from attnres_dist.config.block_plan import BlockPlan  # noqa: E402
 from attnres_dist.diagnostics import runs as R  # noqa: E402
-from attnres_dist.model.block_plan import BlockPlan  # noqa: E402
 
 COLORS = plt.get_cmap("tab10").colors
 

@@ -204,7 +204,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from attnres_dist.train.config import load_config
+    from attnres_dist.config import load_config
 
     cfg = load_config(args.config, args.overrides)  # fail on a bad config before any run
     args.nproc = cfg.world_size

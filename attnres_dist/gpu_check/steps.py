@@ -48,8 +48,8 @@ def _version(name: str) -> str | None:
 def machine(work: Path, dry: bool) -> dict:
     import torch
 
+    from attnres_dist.config import RuntimeConfig
     from attnres_dist.runtime import select_runtime
-    from attnres_dist.train.config import RuntimeConfig
 
     info = {
         "python": f"{platform.python_version()} ({sys.executable})",

@@ -69,7 +69,7 @@ def _reset_peak() -> None:
 
 
 def _train(config: str, overrides: list[str]) -> dict:
-    from attnres_dist.train.config import load_config
+    from attnres_dist.config import load_config
     from attnres_dist.train.trainer import Trainer
 
     _reset_peak()
@@ -126,7 +126,7 @@ def step_time(work: Path, dry: bool) -> dict:
     """Median optimizer-step time of baseline, Block (S = 3) and Full AttnRes at one shape."""
     import torch
 
-    from attnres_dist.train.config import load_config
+    from attnres_dist.config import load_config
     from attnres_dist.train.trainer import Trainer
 
     warmup, reps = (3, 8) if _gpu(dry) else (1, 2)

@@ -28,8 +28,8 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from attnres_dist.config.block_plan import BlockPlan
 from attnres_dist.model import dropout_streams
-from attnres_dist.model.block_plan import BlockPlan
 from attnres_dist.model.depth_mixing import DepthMixer, configure_segments, merge_inputs
 from attnres_dist.model.depth_state import DepthState
 from attnres_dist.model.recompute import checkpoint

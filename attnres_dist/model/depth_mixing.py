@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from attnres_dist.model.block_plan import BlockPlan
+from attnres_dist.config.block_plan import BlockPlan
 from attnres_dist.model.depth_state import DepthState, Phase1Cache
 from attnres_dist.ops import get_depth_attention
 

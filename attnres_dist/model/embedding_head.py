@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from attnres_dist.config.block_plan import BlockPlan
 from attnres_dist.model import dropout_streams
-from attnres_dist.model.block_plan import BlockPlan
 from attnres_dist.model.depth_mixing import DepthMixer
 from attnres_dist.model.depth_state import DepthState
 from attnres_dist.model.document_masks import DocumentOptions, document_layout

@@ -22,16 +22,16 @@ import zlib
 
 import torch
 
+from attnres_dist.config import ModelConfig
+from attnres_dist.config.block_plan import BlockPlan
 from attnres_dist.model import dropout_streams, megatron_compat
 from attnres_dist.model.attnres_layer import AttnResLayer, configure_recompute
-from attnres_dist.model.block_plan import BlockPlan
 from attnres_dist.model.depth_mixing import configure_segments
 from attnres_dist.model.document_masks import DocumentOptions, loss_mask
 from attnres_dist.model.embedding_head import Embedding, FinalAggregation, OutputLayer, lm_loss
 from attnres_dist.model.megatron_config import padded_vocab_size, transformer_config
 from attnres_dist.runtime import RuntimeChoice, kernels
 from attnres_dist.runtime.select import select_depth_attention
-from attnres_dist.train.config import ModelConfig
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from attnres_dist.train.config import ModelConfig
+from attnres_dist.config import ModelConfig
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from attnres_dist.model.block_plan import BlockPlan
+from attnres_dist.config.block_plan import BlockPlan
 from attnres_dist.model.depth_state import DepthState
 
 

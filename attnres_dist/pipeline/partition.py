@@ -12,7 +12,7 @@ owns list indices ``parts[p] .. parts[p+1]-1``. Methods:
 
 from __future__ import annotations
 
-from attnres_dist.train.config import ModelConfig
+from attnres_dist.config import ModelConfig
 
 
 def layer_counts_uniform(num_layers: int, pp: int) -> list[int]:

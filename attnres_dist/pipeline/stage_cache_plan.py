@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from attnres_dist.model.block_plan import BlockPlan
+from attnres_dist.config.block_plan import BlockPlan
 from attnres_dist.pipeline.virtual_layout import VirtualLayout
 
 

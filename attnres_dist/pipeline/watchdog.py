@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 
-from attnres_dist.train.guards import TrainingHalted
+from attnres_dist.errors import TrainingHalted
 
 _TIMED_OUT = ("timed out", "timeout")
 _PEER_GONE = ("connection closed", "connection reset", "broken pipe", "closed by peer")

@@ -21,8 +21,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attnres_dist.config.block_plan import MODES
 from attnres_dist.errors import ConfigError, UserError
-from attnres_dist.model.block_plan import MODES
 from attnres_dist.profile.volumes import PAPER_WHAT_IF, parse_what_if
 
 
@@ -92,7 +92,7 @@ def options_from_args(args) -> ProfileOptions:
 
 
 def main(args) -> int:
-    from attnres_dist.train.config import load_config
+    from attnres_dist.config import load_config
 
     cfg = load_config(args.config, args.overrides)
     opts = options_from_args(args)
@@ -124,7 +124,7 @@ def profile_runs(cfg, opts: ProfileOptions) -> list[dict | None]:
         )
     if not opts.modes:
         return [profile_run(cfg, opts)]
-    from attnres_dist.train.config import config_from_dict
+    from attnres_dist.config import config_from_dict
 
     configs = []
     for mode in opts.modes:  # every config validated before any process group starts

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attnres_dist.model.block_plan import BlockPlan
+from attnres_dist.config.block_plan import BlockPlan
 
 # dense bf16 peak TFLOP/s of one device, by a substring of torch.cuda.get_device_name()
 KNOWN_PEAKS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0))

@@ -9,13 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-
-class TrainingHalted(RuntimeError):
-    exit_code = 3
-
-    def __init__(self, where: str, message: str):
-        self.where = where
-        super().__init__(f"{where}: {message}")
+from attnres_dist.errors import TrainingHalted
 
 
 class NonFiniteLoss(TrainingHalted):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from attnres_dist.config import OptimConfig
 from attnres_dist.model.gpt import AttnResGPT
-from attnres_dist.train.config import OptimConfig
-from attnres_dist.train.optim import build_optimizer
+from attnres_dist.optim import build_optimizer
 
 
 class LocalEngine:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from attnres_dist import data as data_lib
 from attnres_dist.checkpoint import faults
 from attnres_dist.checkpoint.manager import Checkpointing
+from attnres_dist.config import Config
 from attnres_dist.data.gpt_samples import open_samples, plan_data
 from attnres_dist.diagnostics.collector import Diagnostics
 from attnres_dist.errors import ConfigError
@@ -36,7 +37,6 @@ from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
 from attnres_dist.pipeline import precision
 from attnres_dist.runtime import select_runtime
-from attnres_dist.train.config import Config
 from attnres_dist.train.guards import check_finite_loss
 from attnres_dist.train.metrics import MetricsWriter, check_wandb
 from attnres_dist.train.signals import StepSignals

@@ -19,9 +19,9 @@ CHECK.install()
 
 import torch.distributed as dist  # noqa: E402
 
+from attnres_dist.config import load_config  # noqa: E402
 from attnres_dist.parallel.comm_device import comm_device  # noqa: E402
 from attnres_dist.parallel.process_groups import shutdown_distributed  # noqa: E402
-from attnres_dist.train.config import load_config  # noqa: E402
 from attnres_dist.train.trainer import Trainer  # noqa: E402
 
 

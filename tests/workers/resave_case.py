@@ -8,8 +8,8 @@ fp32 master weights under DeepSpeed's bf16 engine) and AdamW state, by canonical
 
 import sys
 
+from attnres_dist.config import load_config
 from attnres_dist.parallel.process_groups import shutdown_distributed
-from attnres_dist.train.config import load_config
 from attnres_dist.train.trainer import Trainer
 
 

@@ -9,8 +9,8 @@ import sys
 
 import torch
 
+from attnres_dist.config import load_config
 from attnres_dist.parallel.process_groups import shutdown_distributed
-from attnres_dist.train.config import load_config
 from attnres_dist.train.trainer import Trainer
 
 

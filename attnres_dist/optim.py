@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from attnres_dist.train.config import OptimConfig
+from attnres_dist.config import OptimConfig
 
 
 def lr_factor(step: int, optim: OptimConfig, total_steps: int) -> float:

@@ -7,15 +7,11 @@ failure is one ``ConfigError`` line naming the field, the value and the fix.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from attnres_dist.config.block_plan import MODES
+from attnres_dist.config.schema import Config, RuntimeConfig
 from attnres_dist.data.blend import parse_blend, parse_split
 from attnres_dist.errors import ConfigError
-from attnres_dist.model.block_plan import MODES
 from attnres_dist.ops import available_depth_attention_impls
-
-if TYPE_CHECKING:
-    from attnres_dist.train.config import Config, RuntimeConfig
 
 
 def _require(ok: bool, where: str, message: str) -> None:
