@@ -8,6 +8,7 @@ failure is one ``ConfigError`` line naming the field, the value and the fix.
 from __future__ import annotations
 
 from attnres_dist.config.block_plan import MODES
+from attnres_dist.config.schedule_rules import chunks_per_rank, validate_schedule
 from attnres_dist.config.schema import Config, RuntimeConfig
 from attnres_dist.data.blend import parse_blend, parse_split
 from attnres_dist.errors import ConfigError
@@ -145,7 +146,10 @@ def validate(cfg: Config) -> None:
             "parallel.tp",
             f"got {p.tp}; must divide model.{name}={value}",
         )
-    _validate_partition(p.partition, p.pp, m.num_layers)
+    validate_schedule(cfg)
+    per_rank = chunks_per_rank(cfg)
+    unit = "stage" if per_rank == 1 else "chunk"
+    _validate_partition(p.partition, p.pp * per_rank, m.num_layers, unit)
     _validate_runtime(cfg.runtime)
     _require(
         p.recompute in ("none", "attnres", "full"),
@@ -195,7 +199,7 @@ def _validate_runtime(r: RuntimeConfig) -> None:
         )
 
 
-def _validate_partition(partition, pp: int, num_layers: int) -> None:
+def _validate_partition(partition, pp: int, num_layers: int, unit: str = "stage") -> None:
     if isinstance(partition, str):
         _require(
             partition in ("uniform", "parameters"),
@@ -206,6 +210,6 @@ def _validate_partition(partition, pp: int, num_layers: int) -> None:
     _require(
         len(partition) == pp and all(n >= 1 for n in partition) and sum(partition) == num_layers,
         "parallel.partition",
-        f"got {partition}; need {pp} positive layer counts (one per stage) summing to "
+        f"got {partition}; need {pp} positive layer counts (one per {unit}) summing to "
         f"model.num_layers={num_layers}",
     )

@@ -99,6 +99,13 @@ class ParallelConfig:
     recompute_interval: int = 1  # layers per checkpointed chunk with recompute: full
     zero_stage: int = 0  # 0 | 1: ZeRO-1 shards fp32 master weights and AdamW state over dp
     timeout_s: int = 600  # process-group and stage-to-stage wait limit
+    # 1f1b (DeepSpeed's TrainSchedule) | dualpipev (DeepSpeed's DualPipeV: 2 chunks per rank in
+    # a V) | interleaved (looped chunks, chunk c on rank c mod pp, Megatron's interleaved order)
+    schedule: str = "1f1b"
+    virtual_stages: int = 1  # model chunks per rank; >= 2 only with schedule: interleaved
+    # virtual stages only: each transition carries just the blocks its receiver lacks (false:
+    # every transition carries all completed blocks, the naive contract)
+    cross_stage_cache: bool = True
 
 
 @dataclass
