@@ -5,6 +5,7 @@
 (chunk c on rank c mod P). Both need at least two ranks, one transformer layer per chunk, and
 enough micro-batches per step: DualPipeV at least 2P (DeepSpeed's own condition), interleaved at
 least P with no last group of fewer than P (Megatron-Core's conditions for its schedule table).
+The per-sample document options travel with the activations only under 1F1B.
 """
 
 from __future__ import annotations
@@ -48,6 +49,14 @@ def validate_schedule(cfg: Config) -> None:
             "parallel.virtual_stages",
             f"got {p.virtual_stages}; parallel.schedule=interleaved needs >= 2 chunks per rank",
         )
+    for name in ("reset_attention_mask", "reset_position_ids"):
+        if getattr(cfg.data, name):
+            raise ConfigError(
+                f"data.{name}",
+                f"is true with parallel.schedule={p.schedule}; per-sample document masks and "
+                "positions travel with the activations only under parallel.schedule=1f1b: use "
+                "1f1b or set it to false",
+            )
     chunks = p.pp * chunks_per_rank(cfg)
     if m.num_layers < chunks:
         raise ConfigError(

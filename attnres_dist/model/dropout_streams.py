@@ -17,7 +17,9 @@ equivalence of layouts holds with dropout on. Only ``tp`` changes the attention-
 
 The trainer calls ``begin_step`` before each optimizer step; the model containers call
 ``next_micro_batch`` at the start of each training forward (one per micro-batch on every
-stage; DeepSpeed's 1F1B schedule runs a stage's forwards in micro-batch order). With no step
+stage; DeepSpeed's 1F1B schedule runs a stage's forwards in micro-batch order). Schedules that
+run a rank's chunks out of micro-batch order (virtual stages) name the micro-batch instead,
+with ``use_micro_batch``. With no step
 begun (callers outside the trainer), the streams are left alone and draw sequentially.
 Recompute restores the key of the forward it replays (``model/recompute.py``).
 """
@@ -32,6 +34,7 @@ import torch
 # (seed, step, next micro-batch index) while a step runs; the key of the current micro-batch
 _STEP: list | None = None
 _KEY: tuple[int, int, int] | None = None
+_FIRST = [0]  # the step's first micro-batch index on this rank (use_micro_batch counts from it)
 EMBEDDING = -1  # the "layer index" of the embedding's dropout
 
 
@@ -40,6 +43,7 @@ def begin_step(seed: int, step: int, first_micro_batch: int = 0) -> None:
     ``first_micro_batch`` (data-parallel rank x micro-batches per rank)."""
     global _STEP, _KEY
     _STEP = [seed, step, first_micro_batch]
+    _FIRST[0] = first_micro_batch
     _KEY = None
 
 
@@ -55,6 +59,14 @@ def next_micro_batch() -> None:
     if _STEP is not None:
         _KEY = (_STEP[0], _STEP[1], _STEP[2])
         _STEP[2] += 1
+
+
+def use_micro_batch(index: int) -> None:
+    """The next training forward is of this rank's micro-batch ``index`` (0-based within the
+    step; a no-op when no step was begun). Unlike ``next_micro_batch`` it does not count."""
+    global _KEY
+    if _STEP is not None:
+        _KEY = (_STEP[0], _STEP[1], _FIRST[0] + index)
 
 
 def current_key() -> tuple[int, int, int] | None:

@@ -1,8 +1,10 @@
 """DeepSpeed's pipeline engine around the AttnRes pipeline module.
 
 Same contract as the single-process ``LocalEngine`` (``train_step``, ``eval_loss``, ``lr``):
-DeepSpeed runs the 1F1B schedule over the stages, averages gradients over micro-batches and
-data-parallel ranks, sums the tied embedding's gradients, and steps a ``torch.optim.AdamW``.
+DeepSpeed runs the 1F1B schedule over the stages (with ``parallel.schedule`` dualpipev |
+interleaved, the virtual-stage engine of ``virtual_engine.py`` over model chunks), averages
+gradients over micro-batches and data-parallel ranks, sums the tied embedding's gradients, and
+steps a ``torch.optim.AdamW``.
 
 Gradient clipping is done here rather than by DeepSpeed: the global norm must count every
 parameter exactly once, i.e. tensor-parallel shards on every tensor rank, replicated parameters
@@ -28,7 +30,7 @@ from attnres_dist.parallel.comm_device import comm_device
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import check_groups_agree
 from attnres_dist.parallel.tp_shards import gather_full
-from attnres_dist.pipeline import precision, watchdog
+from attnres_dist.pipeline import precision, virtual_engine, virtual_setup, watchdog
 from attnres_dist.pipeline.module import AttnResPipelineModule
 from attnres_dist.pipeline.naming import canonical_name
 from attnres_dist.pipeline.partition import compute_parts
@@ -106,10 +108,24 @@ class PipelineEngine:
         self.rank = launch.rank
         topology = PipeModelDataParallelTopology(num_pp=dims.pp, num_mp=dims.tp, num_dp=dims.dp)
         check_groups_agree(dims, topology, launch.rank)
-        self.parts = compute_parts(cfg.model, dims.pp, cfg.parallel.partition, builder.vocab_size)
-        self.module = AttnResPipelineModule(
-            builder, self.parts, topology, cfg.parallel.recompute, cfg.parallel.recompute_interval
-        )
+        self.virtual = cfg.parallel.schedule != "1f1b"
+        self.schedule_note = None
+        if self.virtual:  # model chunks on every rank (virtual_engine.py)
+            self.module, shapes, self.schedule_note = virtual_setup.build_module(
+                cfg, builder, topology, dims.coords(self.rank)[0]
+            )
+            self.parts = list(self.module.layout.parts)
+        else:
+            self.parts = compute_parts(
+                cfg.model, dims.pp, cfg.parallel.partition, builder.vocab_size
+            )
+            self.module = AttnResPipelineModule(
+                builder,
+                self.parts,
+                topology,
+                cfg.parallel.recompute,
+                cfg.parallel.recompute_interval,
+            )
         # the tied embedding's parameters (both stages' copies): the first stage's copy is the
         # one counted by the clip norm, the parameter count, checkpoints and full_state
         self._tied = frozenset(id(p) for p in self.module.tied_modules.parameters())
@@ -126,12 +142,18 @@ class PipelineEngine:
             # bf16 engine / ZeRO-1 (DeepSpeed clips), or fp32 ZeRO-0 (ClippedAdamW clips)
             **precision.ds_config_section(cfg, self.runtime),
         }
-        self.engine, _, _, _ = deepspeed.initialize(
-            model=self.module,
-            optimizer=self.optimizer,
-            lr_scheduler=self.scheduler,
-            config=ds_config,
-        )
+        if self.virtual:
+            self.engine = virtual_engine.initialize(
+                self.module, self.optimizer, self.scheduler, ds_config
+            )
+            self.engine.set_payload_shapes(shapes, virtual_setup.payload_dtype(self.runtime))
+        else:
+            self.engine, _, _, _ = deepspeed.initialize(
+                model=self.module,
+                optimizer=self.optimizer,
+                lr_scheduler=self.scheduler,
+                config=ds_config,
+            )
         if torch.device(self.engine.device) != comm_device():
             raise RuntimeError(
                 f"DeepSpeed's engine runs on {self.engine.device} but the run's collectives use "
@@ -141,10 +163,14 @@ class PipelineEngine:
         self.sharded_state = None
         if precision.wrapped(cfg, self.runtime):
             self.sharded_state = precision.ShardedState(self.engine.optimizer, self.optimizer)
-        watchdog.install(self.engine, self.parts, cfg.model.num_layers, cfg.parallel.timeout_s)
+        if self.virtual:
+            watchdog.install_virtual(self.engine, cfg.parallel.timeout_s)
+        else:
+            watchdog.install(self.engine, self.parts, cfg.model.num_layers, cfg.parallel.timeout_s)
 
     def _owned(self, p: torch.nn.Parameter) -> bool:
-        """False for the last stage's copy of the tied embedding (the first stage's counts)."""
+        """False for the last stage's copy of the tied embedding (the first stage's counts; with
+        virtual stages rank 0 holds chunk 0, so the same rule holds)."""
         return id(p) not in self._tied or self._stage == 0
 
     def _build_optimizer(self):

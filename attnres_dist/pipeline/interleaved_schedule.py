@@ -74,13 +74,22 @@ def check_interleaved(P: int, V: int, M: int, group_size: int | None = None) -> 
 
 
 @lru_cache(maxsize=256)
-def megatron_order(P: int, V: int, M: int, rank: int, group_size: int | None = None):
-    """Rank ``rank``'s chunk passes in Megatron-Core's interleaved 1F1B order."""
+def megatron_order(
+    P: int, V: int, M: int, rank: int, group_size: int | None = None, forward_only: bool = False
+):
+    """Rank ``rank``'s chunk passes in Megatron-Core's interleaved 1F1B order.
+
+    ``forward_only`` (evaluation): every forward in the schedule table's order, as Megatron's
+    forward-only pass runs them; any M >= 1 (a group of P, or of M when M < P).
+    """
     from megatron.core.pipeline_parallel.schedules import (
         get_pp_rank_microbatches,
         get_schedule_table,
     )
 
+    if forward_only:
+        G = min(P if group_size is None else group_size, M)
+        return tuple(ChunkPass(True, chunk, mb) for mb, chunk in get_schedule_table(M, V, G))
     G = check_interleaved(P, V, M, group_size)
     total, _, warmup, remaining = get_pp_rank_microbatches(
         M, V, G, forward_only=False, p2p_communicator=_Communicator(P, rank, V)
@@ -152,7 +161,9 @@ def _timeline(orders, P, V, costs, not_before):
 
 
 @lru_cache(maxsize=64)
-def plan_commits(P: int, V: int, M: int, group_size: int | None = None, costs=(1, 2)):
+def plan_commits(
+    P: int, V: int, M: int, group_size: int | None = None, costs=(1, 2), forward_only=False
+):
     """Each rank's passes with their times, and the commit time of every message.
 
     A message from pass a (rank i) to pass b (rank j) is committed at the first time after a
@@ -161,7 +172,7 @@ def plan_commits(P: int, V: int, M: int, group_size: int | None = None, costs=(1
     then met at once by the peer, so blocking commits cost nothing on top of the data flow.
     Returns (orders, times, messages) with messages = [(tau, i, a index, j, b)].
     """
-    orders = [megatron_order(P, V, M, r, group_size) for r in range(P)]
+    orders = [megatron_order(P, V, M, r, group_size, forward_only) for r in range(P)]
     not_before: dict[tuple[int, ChunkPass], int] = {}
     while True:
         times = _timeline(orders, P, V, costs, not_before)
@@ -188,14 +199,19 @@ class InterleavedSchedule(ds.PipeSchedule):
     """Interleaved 1F1B over V chunks per rank (chunk c on rank c mod P), as instructions.
 
     Rank 0 loads each micro-batch before chunk 0 and rank P - 1 loads it (for the labels) before
-    chunk C - 1, as ``TrainSchedule`` does on its first and last stage.
+    chunk C - 1, as ``TrainSchedule`` does on its first and last stage. ``forward_only``
+    (``eval_batch``): the forwards and their activations only, no optimizer step.
     """
 
-    def __init__(self, micro_batches, stages, stage_id, virtual_stages, group_size=None):
+    def __init__(
+        self, micro_batches, stages, stage_id, virtual_stages, group_size=None, forward_only=False
+    ):
         super().__init__(micro_batches, stages, stage_id)
         self.virtual_stages = virtual_stages
         self.group_size = group_size
-        check_interleaved(stages, virtual_stages, micro_batches, group_size)
+        self.forward_only = forward_only
+        if not forward_only:
+            check_interleaved(stages, virtual_stages, micro_batches, group_size)
 
     def num_pipe_buffers(self):
         """One slot per (phase, micro-batch): ``phase * micro_batches + micro_batch``."""
@@ -207,7 +223,9 @@ class InterleavedSchedule(ds.PipeSchedule):
     def steps(self):
         P, V, M, rank = self.stages, self.virtual_stages, self.micro_batches, self.stage_id
         C = P * V
-        orders, times, messages = plan_commits(P, V, M, self.group_size)
+        orders, times, messages = plan_commits(
+            P, V, M, self.group_size, forward_only=self.forward_only
+        )
         commits: dict[int, list] = {}  # commit time -> this rank's queued sends and receives
         for tau, i, a_index, j, b in messages:
             a = orders[i][a_index]
@@ -238,4 +256,7 @@ class InterleavedSchedule(ds.PipeSchedule):
                 cmds.append(ds.BackwardPass(buf, phase=op.phase))
             yield cmds
         tail = flush(float("inf"))
+        if self.forward_only:
+            yield tail
+            return
         yield tail + [ds.ReduceTiedGrads(), ds.ReduceGrads(), ds.OptimizerStep()]

@@ -83,3 +83,31 @@ def _guarded(handler, stage: int, rank: int, verb: str, other: int, where: str, 
             raise StageWaitError("pipeline", message) from exc
 
     return run
+
+
+def install_virtual(engine, timeout_s: int) -> None:
+    """The same for a virtual-stage engine (``virtual_engine.py``), whose sends and receives
+    only queue: the wait happens in ``CommitP2P``, which is wrapped to name the peers and the
+    chunks of the queued messages."""
+    from deepspeed.runtime.pipe import schedule
+
+    handlers = dict(type(engine)._INSTRUCTION_MAP)
+    commit = handlers[schedule.CommitP2P]
+
+    @functools.wraps(commit)
+    def run(self, *args, **kwargs):
+        peers = sorted({self.grid._topo.get_coord(op.peer).pipe for op in self._p2p_ops})
+        try:
+            return commit(self, *args, **kwargs)
+        except RuntimeError as exc:
+            lay = self.layout
+            chunks = ", ".join(str(c) for c in lay.chunks_of(self.stage_id))
+            where = f"a batched exchange of rank {self.global_rank}'s chunks {chunks}"
+            other = "/".join(str(p) for p in peers) or "?"
+            message = _explain(
+                exc, self.stage_id, self.global_rank, "exchange with", other, where, timeout_s
+            )
+            raise StageWaitError("pipeline", message) from exc
+
+    handlers[schedule.CommitP2P] = run
+    engine._INSTRUCTION_MAP = handlers

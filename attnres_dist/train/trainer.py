@@ -188,6 +188,8 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         self.save_config()
         self.metrics.message(self.runtime.describe())
+        if getattr(self.engine, "schedule_note", None):  # virtual stages: layout and boundary
+            self.metrics.message(self.engine.schedule_note)
         self.metrics.message(
             f"{self.builder.plan.describe()}; {self.dims.describe()}; "
             f"{self.num_parameters():,} parameters; {len(self.train_data):,} train samples; "

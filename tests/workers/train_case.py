@@ -2,7 +2,7 @@
 
 Run as a single process (the reference) or under torchrun (any pp x dp x tp layout):
     python tests/workers/train_case.py OUT.pt key=value ...
-Rank 0 writes ``{"losses": [...], "params": {canonical name: full tensor}}``.
+Rank 0 writes ``{"losses": [...], "params": {canonical name: full tensor}, "valid": loss}``.
 """
 
 import sys
@@ -20,7 +20,8 @@ def main() -> None:
     summary = trainer.train()
     state = trainer.engine.full_state()
     if state is not None:
-        torch.save({"losses": summary["train_losses"], "params": state}, out)
+        result = {"losses": summary["train_losses"], "params": state}
+        torch.save(result | {"valid": summary["final_valid_loss"]}, out)
     shutdown_distributed()
 
 
