@@ -7,6 +7,9 @@ steps 2, 4 and 5. From its step-2 checkpoint:
   with dropout on, so the RNG states must be restored too);
 * pp = 1, 3, 4 and dp = 2 x tp = 2 continue with the reference's losses, and end with its
   parameters and AdamW moments, within TOL (model AND optimizer state reshard);
+* a ``dualpipev`` or ``interleaved`` run resumes from it, and a 1F1B run from that run's own
+  step-4 checkpoint, both on the reference within TOL (checkpoints do not depend on the
+  schedule);
 * under ``torchrun --max-restarts=1``, rank 1 is SIGKILLed while writing the step-4 checkpoint;
   the job restarts, ignores the unfinished save, resumes from step 2 and ends bitwise on the
   reference's losses.
@@ -181,3 +184,39 @@ def test_elastic_restart_after_a_rank_is_killed_while_saving(reference, small_da
     for _, path in store.step_dirs(run_dir / "checkpoints"):
         store.verify(path)
     print(f"elastic run losses {summary['train_losses']}", file=sys.stderr)
+
+
+VIRTUAL = {
+    "dualpipev": {"parallel.schedule": "dualpipev"},
+    "interleaved": {"parallel.schedule": "interleaved", "parallel.virtual_stages": 2},
+}
+
+
+def assert_continues(summary: dict, reference, start: int, label: str, run_dir) -> None:
+    """Losses from ``start`` on and the final model + optimizer state match the reference."""
+    assert summary["start_step"] == start
+    expected = reference["summary"]["train_losses"][start:]
+    loss_diff = max(abs(a - b) for a, b in zip(summary["train_losses"], expected, strict=True))
+    diffs = state_diffs(final_state(run_dir), reference["state"])
+    if REACHED:
+        with open(REACHED, "a") as fh:
+            fh.write(json.dumps({"case": label, "loss": loss_diff, **diffs}) + "\n")
+    assert loss_diff <= TOL * (1 + max(abs(x) for x in expected)), f"{label}: {loss_diff}"
+    for kind, diff in diffs.items():
+        assert diff < TOL, f"{label}: {kind}: relative difference {diff:.3g}"
+    assert diffs["optim/step"] == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", list(VIRTUAL))
+def test_virtual_schedules_interchange_checkpoints(schedule, reference, small_dataset, tmp_path):
+    """A virtual-stage run resumes from the 1F1B reference's step-2 checkpoint, and a 1F1B run
+    resumes from that run's step-4 checkpoint: both continue on the uninterrupted reference."""
+    virtual_dir, back_dir = tmp_path / "virtual", tmp_path / "back"
+    resume = {"checkpoint.resume": resume_point(reference), **VIRTUAL[schedule]}
+    summary = train(virtual_dir, args_for(small_dataset, virtual_dir, pp=2, **resume), 2)
+    assert_continues(summary, reference, RESUME_AT, f"1f1b -> {schedule}", virtual_dir)
+    step4 = str(virtual_dir / "checkpoints" / store.step_name(2 * EVERY))
+    args = args_for(small_dataset, back_dir, pp=2, **{"checkpoint.resume": step4})
+    summary = train(back_dir, args, 2)
+    assert_continues(summary, reference, 2 * EVERY, f"{schedule} -> 1f1b", back_dir)

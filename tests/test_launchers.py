@@ -2,9 +2,9 @@
 
 Fast tests check what ``--dry-run`` prints (single node and multi-node: one line per node for
 the per-node launchers, one hostfile-driven line for mpirun). The slow tests run a real 2-stage
-pipeline job to completion through each script, on one node and as two simulated nodes on this
-machine, and check its summary.json. Each real job spends most of its ~10-30 s importing
-Megatron-Core and DeepSpeed in every rank.
+pipeline job to completion through each script, on one node (with each pipeline schedule) and
+as two simulated nodes on this machine, and check its summary.json. Each real job spends most
+of its ~10-30 s importing Megatron-Core and DeepSpeed in every rank.
 """
 
 from __future__ import annotations
@@ -323,10 +323,22 @@ def test_master_address_is_loopback_on_one_host_and_routable_across_hosts():
 # Real jobs
 
 
-def start(launcher: str, run_dir: Path, log: Path, **env: str) -> subprocess.Popen:
+# The virtual schedules on the same job: 4 chunks need 4 layers, DualPipeV 2P micro-batches.
+SCHEDULES = {
+    "1f1b": [],
+    "dualpipev": ["parallel.schedule=dualpipev"],
+    "interleaved": ["parallel.schedule=interleaved", "parallel.virtual_stages=2"],
+}
+VIRTUAL_JOB = ["model.num_layers=4", "train.global_batch_size=8"]
+
+
+def start(
+    launcher: str, run_dir: Path, log: Path, schedule: str = "1f1b", **env: str
+) -> subprocess.Popen:
     """Start a launch script in its own session, so a timeout can stop every rank it started."""
+    job = [*TINY_JOB, *(VIRTUAL_JOB + SCHEDULES[schedule] if schedule != "1f1b" else [])]
     return subprocess.Popen(
-        [str(LAUNCH / f"{launcher}.sh"), *TINY_JOB, f"output.run_dir={run_dir}"],
+        [str(LAUNCH / f"{launcher}.sh"), *job, f"output.run_dir={run_dir}"],
         cwd=REPO,
         env=script_env(**env),
         stdout=log.open("w"),
@@ -367,11 +379,14 @@ def assert_finished(run_dir: Path, logs: list[Path]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_real_two_stage_job_on_one_node(launcher, tmp_path):
+def test_real_two_stage_job_on_one_node(launcher, schedule, tmp_path):
     run_dir, log = tmp_path / "run", tmp_path / f"{launcher}.log"
-    wait_all([start(launcher, run_dir, log)], [log])
+    wait_all([start(launcher, run_dir, log, schedule)], [log])
     assert_finished(run_dir, [log])
+    if schedule != "1f1b":  # the start-up line names the schedule that ran
+        assert f"schedule: {schedule}," in log.read_text(errors="replace"), tails([log])
 
 
 @pytest.mark.slow

@@ -1,0 +1,89 @@
+"""Virtual pipeline stages reproduce the single-process reference (fp32, real processes, gloo).
+
+``dualpipev`` (the V shape, DeepSpeed's DualPipeV schedule) and ``interleaved`` (the looped
+layout, Megatron-Core's interleaved order) train 3 optimizer steps under torchrun on the data of
+the single-process reference, with gradient clipping active; per-step losses, the final
+validation loss (the forward-only schedules) and every parameter must match within TOL. With
+block size 3 and one or two layers (2 or 4 sublayers) per chunk, block boundaries fall inside
+chunks, so partial blocks cross the transitions. The grid and its machinery are those of
+``test_pipeline_equivalence.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_pipeline_equivalence import MODES, TOL, assert_matches, overrides, train_case
+
+SCHEDULES = {
+    "dualpipev": {"parallel.schedule": "dualpipev"},
+    "interleaved": {"parallel.schedule": "interleaved", "parallel.virtual_stages": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def references(small_dataset, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reference")
+    return {
+        mode: train_case(tmp, mode, overrides(small_dataset, mode, str(tmp / mode)), 1)
+        for mode in MODES
+    }
+
+
+def check(result: dict, reference: dict, label: str) -> None:
+    assert_matches(result, reference, label)
+    assert abs(result["valid"] - reference["valid"]) <= TOL * (1 + abs(reference["valid"]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_two_ranks_match_reference(schedule, mode, references, small_dataset, tmp_path):
+    args = overrides(small_dataset, mode, str(tmp_path / "run"), pp=2, **SCHEDULES[schedule])
+    result = train_case(tmp_path, "case", args, nproc=2)
+    check(result, references[mode], f"{schedule} {mode} pp=2")
+
+
+def test_interleaved_beside_data_parallel(references, small_dataset, tmp_path):
+    """dp = 2 beside pp = 2: 2 micro-batches per data-parallel rank, Megatron's minimum."""
+    args = overrides(
+        small_dataset, "block", str(tmp_path / "run"), pp=2, dp=2, **SCHEDULES["interleaved"]
+    )
+    check(train_case(tmp_path, "case", args, nproc=4), references["block"], "interleaved dp=2")
+
+
+def test_three_chunks_per_rank_with_dropout_and_recompute(small_dataset, tmp_path):
+    """V = 3 over 6 layers (one-layer chunks), dropout on (masks keyed by the micro-batch, not
+    by the order the chunks run in) and every layer recomputed in its backward."""
+    extra = {"model.num_layers": 6, "model.hidden_dropout": 0.1, "model.attention_dropout": 0.1}
+    reference = train_case(
+        tmp_path, "ref", overrides(small_dataset, "block", str(tmp_path / "r"), **extra), 1
+    )
+    args = overrides(
+        small_dataset,
+        "block",
+        str(tmp_path / "run"),
+        pp=2,
+        **extra,
+        **{
+            "parallel.schedule": "interleaved",
+            "parallel.virtual_stages": 3,
+            "parallel.recompute": "full",
+        },
+    )
+    check(train_case(tmp_path, "case", args, nproc=2), reference, "interleaved V=3 dropout")
+
+
+@pytest.fixture(scope="module")
+def reference_8_layers(small_dataset, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ref8")
+    extra = {"model.num_layers": 8, "train.global_batch_size": 16}
+    return train_case(tmp, "ref", overrides(small_dataset, "block", str(tmp / "r"), **extra), 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_four_ranks_match_reference(schedule, reference_8_layers, small_dataset, tmp_path):
+    extra = {"model.num_layers": 8, "train.global_batch_size": 16, **SCHEDULES[schedule]}
+    args = overrides(small_dataset, "block", str(tmp_path / "run"), pp=4, **extra)
+    result = train_case(tmp_path, "case", args, nproc=4)
+    check(result, reference_8_layers, f"{schedule} block pp=4")
