@@ -63,15 +63,21 @@ def _check_config(args) -> int:
     print(f"ok: {plan.describe()}; world size {cfg.world_size}")
     if cfg.parallel.pp > 1:
         from attnres_dist.model.megatron_config import padded_vocab_size
-        from attnres_dist.pipeline.contract import boundary_specs_for_config, format_specs
-        from attnres_dist.pipeline.partition import compute_parts, describe_parts
+        from attnres_dist.runtime import select_runtime
 
         m, p = cfg.model, cfg.parallel
         vocab = padded_vocab_size(m.vocab_size or 257, m.make_vocab_size_divisible_by, p.tp)
-        print("\n".join(describe_parts(compute_parts(m, p.pp, p.partition, vocab), m.num_layers)))
-        from attnres_dist.runtime import select_runtime
-
         dtype = select_runtime(cfg.runtime).activation_dtype  # bf16 payloads under bf16
+        if p.schedule != "1f1b":  # chunks per rank and each transition, naive vs cached
+            from attnres_dist.pipeline.virtual_report import format_virtual_plan, plan_for_config
+
+            plan = plan_for_config(cfg, vocab, dtype.itemsize)
+            print(format_virtual_plan(plan, p.cross_stage_cache))
+            return 0
+        from attnres_dist.pipeline.contract import boundary_specs_for_config, format_specs
+        from attnres_dist.pipeline.partition import compute_parts, describe_parts
+
+        print("\n".join(describe_parts(compute_parts(m, p.pp, p.partition, vocab), m.num_layers)))
         print(format_specs(boundary_specs_for_config(cfg, vocab, dtype)))
     return 0
 
