@@ -64,8 +64,9 @@ def _match(ranks: list[dict], dims) -> list[dict]:
         _, dp_rank, tp_rank = dims.coords(r["rank"])
         for t in r["transfers"]:
             sender, receiver = t["stage_pair"]
+            chunk = t.get("chunk", -1)  # virtual stages: several transitions per rank pair
             key = (sender, receiver, t["direction"], dp_rank, tp_rank, t["step"], t["micro_batch"])
-            ends.setdefault(key, {})[t["op"]] = t
+            ends.setdefault(key + (chunk,), {})[t["op"]] = t
     pairs = []
     for key, both in ends.items():
         if "send" not in both or "recv" not in both:
@@ -78,6 +79,7 @@ def _match(ranks: list[dict], dims) -> list[dict]:
                 "direction": key[2],
                 "step": key[5],
                 "micro_batch": key[6],
+                "chunk": key[7],
                 "send": send,
                 "recv": recv,
                 "transfer_s": max(recv["end"] - ready, 0.0),
@@ -199,6 +201,7 @@ def _timeline(ranks, pairs, dims, origin: float) -> list[dict]:
                 "step": e["step"],
                 "kind": e["kind"],
                 "micro_batch": e["micro_batch"],
+                "chunk": e.get("chunk", -1),
                 "start": e["start"] - origin,
                 "end": e["end"] - origin,
             }

@@ -29,11 +29,18 @@ COLORS = {
     "other": "#8172b3",
     "idle": "#f5f5f5",
     "transfer": "#c44e52",
+    "commit": "#c44e52",
 }
 OTHER = ("load", "reduce_tied", "reduce_grads", "optimizer")
 
 
-def plot_timeline(timeline: list[dict], path: Path, step: int | None = None) -> Path:
+def plot_timeline(
+    timeline: list[dict],
+    path: Path,
+    step: int | None = None,
+    title: str = "Pipeline schedule per rank (1F1B, DeepSpeed)",
+) -> Path:
+    """One step; with virtual stages (events naming a chunk) later chunks of a rank are paler."""
     steps = sorted({e["step"] for e in timeline})
     step = steps[-1] if step is None else step
     events = [e for e in timeline if e["step"] == step]
@@ -42,6 +49,10 @@ def plot_timeline(timeline: list[dict], path: Path, step: int | None = None) -> 
     t1 = max(e["end"] for e in events)
     scale = 1e3  # milliseconds
     fig, ax = plt.subplots(figsize=(12, 1.4 + 0.6 * len(ranks)))
+    phase = {}  # (rank, chunk) -> rank-local chunk index
+    for _, rank in ranks:
+        mine = sorted({e.get("chunk", -1) for e in events if e["rank"] == rank})
+        phase.update({(rank, c): i for i, c in enumerate(mine)})
     for row, (_, rank) in enumerate(ranks):
         y = len(ranks) - 1 - row
         ax.broken_barh([(0, (t1 - t0) * scale)], (y - 0.4, 0.8), color=COLORS["idle"])
@@ -61,12 +72,20 @@ def plot_timeline(timeline: list[dict], path: Path, step: int | None = None) -> 
                 )
                 start = ready
             height = 0.8 if kind in ("forward", "backward") else 0.4
-            ax.broken_barh([(start, max(end - start, 1e-3))], (y - height / 2, height), color=color)
+            chunk = e.get("chunk", -1)
+            alpha = 1.0 - 0.3 * phase.get((rank, chunk), 0) if chunk >= 0 else 1.0
+            ax.broken_barh(
+                [(start, max(end - start, 1e-3))],
+                (y - height / 2, height),
+                color=color,
+                alpha=max(alpha, 0.3),
+            )
             if kind in ("forward", "backward") and e["micro_batch"] >= 0:
+                label = str(e["micro_batch"]) if chunk < 0 else f"{chunk}.{e['micro_batch']}"
                 ax.text(
                     (start + end) / 2,
                     y,
-                    str(e["micro_batch"]),
+                    label,
                     ha="center",
                     va="center",
                     fontsize=8,
@@ -81,7 +100,7 @@ def plot_timeline(timeline: list[dict], path: Path, step: int | None = None) -> 
             Patch(color=COLORS["forward"], label="forward (micro-batch)"),
             Patch(color=COLORS["backward"], label="backward (micro-batch)"),
             Patch(color=COLORS["send_act"], label="send"),
-            Patch(color=COLORS["recv_act"], label="receive (transfer)"),
+            Patch(color=COLORS["recv_act"], label="receive / commit (transfer)"),
             Patch(facecolor=COLORS["wait"], hatch="///", edgecolor="#999999", label="waiting"),
             Patch(color=COLORS["other"], label="load / reduce / optimizer"),
             Patch(facecolor=COLORS["idle"], edgecolor="#cccccc", label="idle"),
@@ -91,7 +110,9 @@ def plot_timeline(timeline: list[dict], path: Path, step: int | None = None) -> 
         fontsize=8,
         frameon=False,
     )
-    ax.set_title("Pipeline schedule per rank (1F1B, DeepSpeed)")
+    if any(e.get("chunk", -1) >= 0 for e in events):
+        title += "; boxes: chunk.micro-batch"
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -99,7 +120,8 @@ def plot_timeline(timeline: list[dict], path: Path, step: int | None = None) -> 
 
 
 def plot_boundary_bytes(modes: dict[str, list[dict]], path: Path) -> Path:
-    labels = [f"{s['sender']}->{s['receiver']}" for s in next(iter(modes.values()))]
+    first = next(iter(modes.values()))
+    labels = [s.get("label", f"stage {s['sender']}->{s['receiver']}") for s in first]
     width = 0.8 / len(modes)
     fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(labels) + 2), 3.6))
     for i, (mode, specs) in enumerate(modes.items()):
@@ -116,7 +138,7 @@ def plot_boundary_bytes(modes: dict[str, list[dict]], path: Path) -> Path:
                 fontsize=7,
             )
     ax.set_xticks(range(len(labels)))
-    ax.set_xticklabels([f"stage {lab}" for lab in labels])
+    ax.set_xticklabels(labels)
     ax.set_ylabel("MiB per micro-batch (each direction)")
     ax.set_title("Bytes per boundary, same model:\nbaseline vs Full vs Block AttnRes")
     ax.legend(fontsize=8)

@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from attnres_dist.profile import plots
+from attnres_dist.profile import plots, virtual
 from attnres_dist.profile.analysis import analyze
 from attnres_dist.profile.volumes import mode_specs, run_volumes
 
@@ -41,8 +41,16 @@ def expected_wire_bytes_of(row: dict, direction: str, tp_rank: int) -> int:
 
 
 def build_profile(
-    trainer, opts, specs, links, ranks: list[dict], threads: int, partitioned: dict
+    trainer,
+    opts,
+    specs,
+    links,
+    ranks: list[dict],
+    threads: int,
+    partitioned: dict,
+    transitions: list[dict] | None = None,
 ) -> dict:
+    """``transitions``: virtual stages' hand-overs (``virtual.transition_specs``), else None."""
     cfg, dims = trainer.cfg, trainer.dims
     m, t = cfg.model, cfg.train
     M = cfg.grad_accum_steps
@@ -51,11 +59,19 @@ def build_profile(
     meta = {r["rank"]: r.pop("meta_bytes") for r in ranks}
     stray = sum(len(r.pop("stray")) for r in ranks)
     result = analyze(ranks, dims, specs, links, M, tokens_per_step, partitioned)
+    vsection = None
+    if transitions is not None:
+        vsection = virtual.virtual_section(trainer, transitions, ranks, dims, M)
     for rank, trace in traces.items():
         if trace is None:
             continue
         stage, _, tp_rank = dims.coords(rank)
-        expected = _expected_trace_bytes(result["boundaries"], stage, tp_rank, M, trace["steps"])
+        if vsection is not None:
+            expected = virtual.expected_trace_bytes(transitions, stage, M, trace["steps"])
+        else:
+            expected = _expected_trace_bytes(
+                result["boundaries"], stage, tp_rank, M, trace["steps"]
+            )
         trace["expected_bytes"] = expected
         trace["bytes_equal"] = (
             trace["gloo_send"]["bytes"] == expected["send"]
@@ -92,12 +108,20 @@ def build_profile(
         "calibration": [link.to_dict() for link in links],
         "boundaries": result["boundaries"],
         "bytes_equal_contract": all(
-            row[d]["bytes_equal"] for row in result["boundaries"] for d in ("forward", "backward")
+            row[d]["bytes_equal"]
+            for row in (vsection["transitions"] if vsection else result["boundaries"])
+            for d in ("forward", "backward")
         ),
         "stages": result["stages"],
         "bubble_1f1b": (dims.pp - 1) / (M + dims.pp - 1),
+        "bubble": virtual.bubble_section(cfg, ranks, dims),
+        "virtual": vsection,
         "volumes": run_volumes(cfg, specs, opts.what_ifs),
-        "modes": mode_specs(cfg, trainer.builder.vocab_size),
+        "modes": (
+            virtual.mode_transitions(cfg, trainer.builder.vocab_size, virtual.itemsize(trainer))
+            if vsection
+            else mode_specs(cfg, trainer.builder.vocab_size)
+        ),
         "traces": {str(k): v for k, v in traces.items()},
         "timeline": result["timeline"],
         "files": {},
@@ -110,7 +134,9 @@ def write_outputs(profile: dict, run_dir: Path) -> None:
         "dir": str(run_dir),
         "profile": "comm_profile.json",
         "report": "comm_report.md",
-        "timeline": plots.plot_timeline(profile["timeline"], run_dir / "timeline.png").name,
+        "timeline": plots.plot_timeline(
+            profile["timeline"], run_dir / "timeline.png", title=_schedule_title(profile)
+        ).name,
         "boundary_bytes": plots.plot_boundary_bytes(
             profile["modes"], run_dir / "boundary_bytes.png"
         ).name,
@@ -163,7 +189,18 @@ def _measured(x: dict) -> str:
     return ", ".join(f"{b:,}" for b in value) if isinstance(value, list) else f"{value:,}"
 
 
+def _schedule_title(profile: dict) -> str:
+    b = profile["bubble"]
+    if b["schedule"] == "1f1b":
+        return "Pipeline schedule per rank (1F1B, DeepSpeed)"
+    if b["schedule"] == "dualpipev":
+        return "Pipeline schedule per rank (DualPipeV, DeepSpeed)"
+    return f"Pipeline schedule per rank (interleaved 1F1B, V = {b['virtual_stages']})"
+
+
 def key_table(profile: dict) -> str:
+    if profile.get("virtual"):
+        return virtual.transition_table(profile["virtual"]["transitions"])
     rows = [
         "| boundary | direction | k tensors (wire messages) | bytes / micro-batch predicted | "
         "measured | equal | "
@@ -269,6 +306,34 @@ def _trace_line(rank, tr: dict) -> str:
     )
 
 
+def _boundary_section(profile: dict, run: dict) -> list[str]:
+    verdict = "equal" if profile["bytes_equal_contract"] else "DO NOT equal"
+    if profile.get("virtual"):
+        return virtual.boundary_lines(profile["virtual"], key_table(profile), verdict)
+    meta = ", ".join(f"{b:,} B (rank {r})" for r, b in sorted(run["shape_metadata_bytes"].items()))
+    return [
+        "## Boundaries (per micro-batch; both directions)",
+        "",
+        key_table(profile),
+        "",
+        f"Bytes measured on the wire (DeepSpeed's p2p send/recv) {verdict} the activation "
+        "contract's prediction (with tensor parallelism: DeepSpeed's slice of it per tensor "
+        "rank plus partition metadata). Send/recv times are wall times of the blocking calls "
+        "(they include waiting for the peer); the transfer time counts from when both ends were "
+        "ready; the model is latency + bytes / bandwidth from the start-up ping-pong. "
+        "DeepSpeed's shape metadata, sent once per engine before the first payload and not part "
+        f"of the contract, took {meta}.",
+        "",
+    ]
+
+
+def _virtual_volumes(profile: dict) -> str:
+    v = profile["virtual"]
+    lines = list(v["totals_text"]) or ["baseline: no blocks, the formulas do not apply"]
+    table = _volume_tables(profile).split("\n")[2:]  # the what-if rows, not the V = 1 run
+    return "\n".join([*lines, "", *[ln for ln in table if "(this run)" not in ln]])
+
+
 def render(profile: dict) -> str:
     c, run = profile["config"], profile["run"]
     traces = profile["traces"]
@@ -287,24 +352,7 @@ def render(profile: dict) -> str:
             f" ms (p90 {_ms(run['step_s']['p90'])}); {run['tokens_per_s']['median']:,.0f} "
             "tokens/s.",
             "",
-            "## Boundaries (per micro-batch; both directions)",
-            "",
-            key_table(profile),
-            "",
-            "Bytes measured on the wire (DeepSpeed's p2p send/recv) "
-            + ("equal" if profile["bytes_equal_contract"] else "DO NOT equal")
-            + " the activation contract's prediction (with tensor parallelism: DeepSpeed's "
-            "slice of it per tensor rank plus partition metadata). Send/recv times are wall "
-            "times of the "
-            "blocking calls (they include waiting for the peer); the transfer time counts from "
-            "when both ends were ready; the model is latency + bytes / bandwidth from the "
-            "start-up ping-pong. DeepSpeed's shape metadata, sent once per engine before the "
-            "first payload and not part of the contract, took "
-            + ", ".join(
-                f"{b:,} B (rank {r})" for r, b in sorted(run["shape_metadata_bytes"].items())
-            )
-            + ".",
-            "",
+            *_boundary_section(profile, run),
             "## Stages (mean per step; per micro-batch: median)",
             "",
             _stage_table(profile),
@@ -312,13 +360,22 @@ def render(profile: dict) -> str:
             "Idle = step - forward - backward - transfer - other (waiting for a peer, schedule "
             "overhead); the 1F1B bubble is (P - 1) / (M + P - 1).",
             "",
+            "## Bubble: measured vs the schedule's",
+            "",
+            *virtual.bubble_lines(profile["bubble"]),
+            "",
+            "Measured: per step, 1 - (forward + backward time of the P ranks of one pipeline) / "
+            "(P x the span from the first pass's start to the last pass's end), median over the "
+            "measured steps. Theoretical: the same instruction streams run by the schedule "
+            "simulator with free communication (pipeline/schedule_sim.py).",
+            "",
             "## Link calibration (ping-pong at start-up)",
             "",
             _calibration_table(profile),
             "",
             "## Communication volume (DESIGN.md section 3)",
             "",
-            _volume_tables(profile),
+            _volume_tables(profile) if not profile.get("virtual") else _virtual_volumes(profile),
             "",
             "## Bytes per boundary: baseline vs Full vs Block AttnRes (same model)",
             "",

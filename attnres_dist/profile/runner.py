@@ -10,6 +10,10 @@ and the PNG plots into the run directory (``output.run_dir``).
 The profiler steps train the model (optimizer steps included): the schedule measured is the
 training schedule. ``train.steps`` only shapes the learning-rate schedule here.
 
+With ``parallel.schedule`` dualpipev or interleaved the bytes are predicted and measured per
+transition (chunk c -> c + 1), naive vs cached (``profile/virtual.py``); every schedule's
+profile sets the measured bubble next to the schedule's theoretical one.
+
 ``--modes baseline,full,block`` profiles the same model in each residual mode, one after the
 other in the same launch (``output.run_dir/<mode>/``), to compare what each puts on the wire.
 """
@@ -165,10 +169,23 @@ def _profile(trainer, opts: ProfileOptions) -> dict | None:
     engine = trainer.engine
     ds_engine = engine.engine
     vocab = trainer.builder.vocab_size
-    specs = boundary_specs_for_config(cfg, vocab, trainer.runtime.activation_dtype)
-    links = calibrate_links(
-        dims, rank, {s.sender: s.bytes_forward for s in specs}, reps=opts.pingpong_reps
-    )
+    dtype = trainer.runtime.activation_dtype
+    transitions = None
+    if cfg.parallel.schedule != "1f1b":  # per transition from the cache plan, not per stage
+        from attnres_dist.pipeline.virtual_report import plan_for_config
+        from attnres_dist.profile.virtual import transition_specs
+
+        plan = plan_for_config(cfg, vocab, dtype.itemsize)
+        transitions = transition_specs(plan, cfg.parallel.cross_stage_cache)
+        specs, sizes = [], {}
+        for t in transitions:  # the largest payload between stage s and s + 1
+            low = min(t["src_rank"], t["dst_rank"])
+            if abs(t["src_rank"] - t["dst_rank"]) == 1:
+                sizes[low] = max(sizes.get(low, 0), t["predicted_bytes"])
+    else:
+        specs = boundary_specs_for_config(cfg, vocab, dtype)
+        sizes = {s.sender: s.bytes_forward for s in specs}
+    links = calibrate_links(dims, rank, sizes, reps=opts.pingpong_reps)
     run_dir = Path(cfg.output.run_dir)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -217,7 +234,7 @@ def _profile(trainer, opts: ProfileOptions) -> dict | None:
         "backward": bool(ds_engine.is_grad_partitioned),
     }
     profile = build_profile(
-        trainer, opts, specs, links, gathered, torch.get_num_threads(), partitioned
+        trainer, opts, specs, links, gathered, torch.get_num_threads(), partitioned, transitions
     )
     write_outputs(profile, run_dir)
     return profile

@@ -7,7 +7,10 @@ backward, send, receive, gradient reduction and the optimizer step of every micr
 ``Event`` records with monotonic start and end times, without touching DeepSpeed's code.
 
 The n-th ForwardPass (BackwardPass, SendActivation, ...) of a step is micro-batch n: the
-1F1B schedule processes micro-batches in order in each instruction stream.
+1F1B schedule processes micro-batches in order in each instruction stream. Virtual-stage
+engines (a ``layout`` of model chunks) give each instruction a phase: the event then names its
+chunk and the micro-batch of its buffer (``phase * M + micro_batch``); ``CommitP2P``, where
+their queued transfers travel, is the ``commit`` event.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+from attnres_dist.profile.wire import is_virtual_engine
 
 # instruction class name -> event kind used in reports and plots
 KINDS = {
@@ -29,9 +34,10 @@ KINDS = {
     "ReduceTiedGrads": "reduce_tied",
     "ReduceGrads": "reduce_grads",
     "OptimizerStep": "optimizer",
+    "CommitP2P": "commit",
 }
 COMPUTE_KINDS = ("forward", "backward")
-COMM_KINDS = ("send_act", "recv_act", "send_grad", "recv_grad")
+COMM_KINDS = ("send_act", "recv_act", "send_grad", "recv_grad")  # "commit": virtual engines
 OTHER_KINDS = ("load", "reduce_tied", "reduce_grads", "optimizer")
 
 
@@ -44,6 +50,7 @@ class Event:
     micro_batch: int  # -1 for once-per-step instructions (reduce, optimizer)
     start: float  # monotonic seconds
     end: float
+    chunk: int = -1  # virtual stages: the model chunk of the instruction's phase
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -87,22 +94,28 @@ class ScheduleTimer:
 
     def _wrap(self, fn, kind: str):
         timer = self
-        per_micro_batch = kind not in ("reduce_tied", "reduce_grads", "optimizer")
+        per_micro_batch = kind not in ("reduce_tied", "reduce_grads", "optimizer", "commit")
+        layout = self.engine.layout if is_virtual_engine(self.engine) else None
 
         def instruction(self_engine, *args, **kwargs):
             # the label is always there, so torch.profiler traces show the schedule too
             with torch.profiler.record_function(f"pipe:{kind}"):
                 if not timer.enabled:
                     return fn(self_engine, *args, **kwargs)
-                index = -1
-                if per_micro_batch:
+                index, chunk = -1, -1
+                if per_micro_batch and layout is not None and "phase" in kwargs:
+                    phase = kwargs["phase"]
+                    chunk = layout.chunk_at(self_engine.stage_id, phase)
+                    M = getattr(self_engine, "_M", self_engine.micro_batches)
+                    index = kwargs["buffer_id"] - phase * M
+                elif per_micro_batch:
                     index = timer._counts.get(kind, 0)
                     timer._counts[kind] = index + 1
                 start = time.monotonic()
                 result = fn(self_engine, *args, **kwargs)
                 end = time.monotonic()
             timer.events.append(
-                Event(timer.rank, self_engine.stage_id, timer._step, kind, index, start, end)
+                Event(timer.rank, self_engine.stage_id, timer._step, kind, index, start, end, chunk)
             )
             return result
 

@@ -12,6 +12,14 @@ RecvActivation, SendGrad, RecvGrad) so that the tensors of one instruction form 
 payload (``_send_tensor_meta``) is counted separately, because it is not part of the
 activation contract and is sent once per engine.
 
+Virtual-stage engines (``parallel.schedule`` dualpipev | interleaved) queue their tensors with
+``_queue_p2p`` and launch them at ``CommitP2P`` as one ``batch_isend_irecv``, as DeepSpeed's
+``DualPipeVEngine`` does: there the tap wraps ``_queue_p2p`` (bytes and shapes, per
+instruction) and the commit instruction (the time every queued transfer took on the wire), and
+names each transfer by its hand-over (``chunk`` = the transition's sending chunk) and its
+micro-batch (from the buffer, ``phase * M + micro_batch``), since one pair of ranks carries
+several transitions.
+
 Used by the profiler (``attnres_dist.profile``) and the pipeline benchmark; both compare the
 bytes recorded here with ``attnres_dist.pipeline.contract.boundary_specs``. With tensor
 parallelism DeepSpeed splits each payload over the tensor-parallel ranks (its
@@ -52,6 +60,7 @@ class Transfer:
     dtypes: list[str] = field(default_factory=list)
     nbytes: int = 0
     meta_bytes: int = 0  # shape metadata sent/received inside the same instruction
+    chunk: int = -1  # virtual stages: the transition's sending chunk (c of c -> c + 1)
 
     @property
     def num_tensors(self) -> int:
@@ -112,6 +121,7 @@ class WireTap:
         self._in_meta = False
         self._counters: dict[tuple[str, str], int] = {}
         self._restore: list = []
+        self._uncommitted: list[Transfer] = []  # virtual engines: queued, not yet committed
         self.enabled = True
         self.step = -1
 
@@ -128,13 +138,20 @@ class WireTap:
         self._patch(p2p, "send", self._wrap_p2p(p2p.send, "send"))
         self._patch(p2p, "recv", self._wrap_p2p(p2p.recv, "recv"))
         for engine in self.engines:
+            if is_virtual_engine(engine):
+                self._patch(engine, "_queue_p2p", self._wrap_queue(engine._queue_p2p))
             self._patch(engine, "_send_tensor_meta", self._wrap_meta(engine._send_tensor_meta))
             self._patch(engine, "_recv_tensor_meta", self._wrap_meta(engine._recv_tensor_meta))
             # the map is a class attribute; an instance copy leaves other engines untouched
             table = dict(engine._INSTRUCTION_MAP)
             for instr_type, fn in list(table.items()):
-                if instr_type.__name__ in COMM_INSTRUCTIONS:
-                    table[instr_type] = self._wrap_instruction(fn, engine, instr_type.__name__)
+                name = instr_type.__name__
+                if name in COMM_INSTRUCTIONS and is_virtual_engine(engine):
+                    table[instr_type] = self._wrap_virtual_instruction(fn, engine, name)
+                elif name in COMM_INSTRUCTIONS:
+                    table[instr_type] = self._wrap_instruction(fn, engine, name)
+                elif name == "CommitP2P" and is_virtual_engine(engine):
+                    table[instr_type] = self._wrap_commit(fn)
             self._patch(engine, "_INSTRUCTION_MAP", table)
         return self
 
@@ -177,6 +194,66 @@ class WireTap:
 
         return instruction
 
+    def _wrap_virtual_instruction(self, fn, engine, instr_name: str):
+        op, direction = COMM_INSTRUCTIONS[instr_name]
+        tap = self
+
+        def instruction(self_engine, buffer_id, phase, **kwargs):
+            if not tap.enabled:
+                return fn(self_engine, buffer_id, phase, **kwargs)
+            chunk = engine.layout.chunk_at(engine.stage_id, phase)
+            downstream = (op == "send") == (direction == "forward")
+            peer = engine.layout.rank_of(chunk + 1 if downstream else chunk - 1)
+            M = getattr(engine, "_M", engine.micro_batches)
+            tap._current = Transfer(
+                tap.rank,
+                engine.stage_id,
+                peer,
+                op,
+                direction,
+                tap.step,
+                buffer_id - phase * M,
+                0.0,
+                0.0,
+                chunk=chunk if downstream else chunk - 1,
+            )
+            try:
+                return fn(self_engine, buffer_id, phase, **kwargs)
+            finally:
+                tap.transfers.append(tap._current)
+                tap._uncommitted.append(tap._current)
+                tap._current = None
+
+        return instruction
+
+    def _wrap_commit(self, fn):
+        tap = self
+
+        def commit(self_engine, *args, **kwargs):
+            start = time.monotonic()
+            try:
+                return fn(self_engine, *args, **kwargs)
+            finally:
+                end = time.monotonic()
+                for t in tap._uncommitted:  # every queued transfer travels in this batch
+                    t.start, t.end = start, end
+                tap._uncommitted.clear()
+
+        return commit
+
+    def _wrap_queue(self, fn):
+        tap = self
+
+        def queue(op, tensors, stage, *args, **kwargs):
+            if tap.enabled:
+                now = time.monotonic()
+                kind = tap._current.op if tap._current is not None else "queued"
+                for tensor in tensors:
+                    tap._record(kind, tensor, stage, now, now)
+            return fn(op, tensors, stage, *args, **kwargs)
+
+        return queue
+
     def _wrap_meta(self, fn):
         tap = self
 
@@ -217,6 +294,11 @@ class WireTap:
         current.shapes.append(list(tensor.shape))
         current.dtypes.append(str(tensor.dtype).split(".")[-1])
         current.nbytes += nbytes
+
+
+def is_virtual_engine(engine) -> bool:
+    """A virtual-stage engine: a layout of model chunks and DualPipeV's queued p2p."""
+    return hasattr(engine, "layout") and hasattr(engine, "_queue_p2p")
 
 
 def _global_rank() -> int:
