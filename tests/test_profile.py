@@ -145,6 +145,81 @@ def test_timeline_covers_every_stage_and_micro_batch(profiled):
                 assert all(e["start"] <= e["end"] for e in mine)
 
 
+# Interleaved 1F1B (2 ranks x 2 chunks, one layer each) with the naive payload. By hand, with
+# block size 3 (blocks close after sublayers 3, 6 and 8) and [s, b, h] = [16, 2, 32] fp32 =
+# 4,096 bytes per tensor: chunk 0 -> 1 carries b0 + partial, 1 -> 2 b0, b1 + partial,
+# 2 -> 3 b0, b1, b2; cached it would be 2, 2 and 1 tensors (rank 0 holds b0, rank 1 b0, b1).
+VIRTUAL_NAIVE_BYTES = [2 * 4096, 3 * 4096, 3 * 4096]
+VIRTUAL_CACHED_BYTES = [2 * 4096, 2 * 4096, 1 * 4096]
+
+
+@pytest.fixture(scope="module")
+def profiled_interleaved(small_dataset, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("profile_interleaved")
+    args = [
+        *overrides(small_dataset, str(run_dir), 2),
+        "parallel.schedule=interleaved",
+        "parallel.virtual_stages=2",
+        "parallel.cross_stage_cache=false",
+    ]
+    run_job([*profile_cli(2), *args], nproc=2)
+    return json.loads((run_dir / "comm_profile.json").read_text()), run_dir
+
+
+@pytest.mark.slow
+def test_profile_interleaved_bytes_per_transition(profiled_interleaved):
+    profile, run_dir = profiled_interleaved
+    v = profile["virtual"]
+    assert v["chunks_of_rank"] == {"0": [0, 2], "1": [1, 3]}
+    rows = v["transitions"]
+    assert [(r["src_chunk"], r["src_rank"], r["dst_rank"]) for r in rows] == [
+        (0, 0, 1),
+        (1, 1, 0),
+        (2, 0, 1),
+    ]
+    assert [r["naive_bytes"] for r in rows] == VIRTUAL_NAIVE_BYTES
+    assert [r["cached_bytes"] for r in rows] == VIRTUAL_CACHED_BYTES
+    M = profile["config"]["micro_batches_per_step"]
+    for row, expected in zip(rows, VIRTUAL_NAIVE_BYTES, strict=True):
+        for direction in ("forward", "backward"):
+            measured = row[direction]
+            assert measured["measured_bytes"] == expected, (row["name"], direction)
+            assert measured["bytes_equal"] and measured["micro_batches_seen"]
+            assert measured["sends"] == measured["recvs"] == M * STEPS
+            assert measured["per_step_each_end"] == [M]
+    assert profile["bytes_equal_contract"]
+    assert v["bytes_per_micro_batch"] == {
+        "naive": sum(VIRTUAL_NAIVE_BYTES),
+        "cached": sum(VIRTUAL_CACHED_BYTES),
+        "sent": sum(VIRTUAL_NAIVE_BYTES),
+    }
+    for trace in profile["traces"].values():  # gloo's own count of the traced step
+        assert trace["bytes_equal"], trace
+    assert profile["run"]["p2p_calls_outside_instructions"] == 0
+
+
+@pytest.mark.slow
+def test_profile_interleaved_bubble_and_timeline(profiled_interleaved):
+    profile, run_dir = profiled_interleaved
+    b = profile["bubble"]
+    M = profile["config"]["micro_batches_per_step"]
+    assert b["schedule"] == "interleaved" and b["virtual_stages"] == 2
+    assert b["theoretical"] == pytest.approx(1 / (2 * M + 1))  # (P - 1) / (V M + P - 1)
+    assert len(b["measured"]["per_step"]) == STEPS
+    assert all(0.0 <= x < 1.0 for x in b["measured"]["per_step"])
+    for step in sorted({e["step"] for e in profile["timeline"]}):
+        for rank, chunks in ((0, [0, 2]), (1, [1, 3])):
+            mine = [e for e in profile["timeline"] if e["step"] == step and e["rank"] == rank]
+            for kind in ("forward", "backward"):
+                seen = sorted((e["chunk"], e["micro_batch"]) for e in mine if e["kind"] == kind)
+                assert seen == [(c, m) for c in chunks for m in range(M)], (step, rank, kind)
+    report = (run_dir / "comm_report.md").read_text()
+    assert "| chunk 1 -> 2 (rank 1 -> 0) | 2 | [3, 16, 2, 32] | 12,288 | [2, 16, 2, 32] |" in report
+    assert "interleaved 1F1B (V = 2)" in report
+    for name in PLOTS:
+        assert (run_dir / name).read_bytes()[:8] == PNG, name
+
+
 def _netns_unavailable() -> str | None:
     if os.geteuid() != 0:
         return "needs root (network namespaces)"

@@ -6,8 +6,6 @@ DualPipeV at P = 2) and from hand-made records; the run itself is in test_profil
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from attnres_dist.config import load_config
@@ -106,11 +104,10 @@ def test_expected_trace_bytes_count_both_directions():
 
 def test_mode_transitions_follow_the_cache_choice():
     cfg = _cfg("parallel.cross_stage_cache=false")
-    modes = virtual.mode_transitions(cfg, 256, 4)
+    modes = virtual.mode_transitions(cfg, 256, 4, cached=False)
     assert list(modes) == ["baseline", "full", "block (S=2)"]
     assert [r["num_tensors"] for r in modes["baseline"]] == [1, 1, 1]
     assert [r["num_tensors"] for r in modes["block (S=2)"]] == [2, 3, 4]  # naive: all blocks
     assert modes["full"][0]["label"] == "chunk 0->1"
-    cached = virtual.mode_transitions(dataclasses.replace(cfg, parallel=dataclasses.replace(
-        cfg.parallel, cross_stage_cache=True)), 256, 4)  # fmt: skip
+    cached = virtual.mode_transitions(cfg, 256, 4, cached=True)  # what the boundary sends
     assert [r["num_tensors"] for r in cached["block (S=2)"]] == [2, 1, 1]

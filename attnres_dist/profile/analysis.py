@@ -187,11 +187,14 @@ def _stage_rows(ranks, pairs, dims, num_micro_batches: int) -> list[dict]:
 
 def _timeline(ranks, pairs, dims, origin: float) -> list[dict]:
     ready = {}
+    committed = defaultdict(list)  # rank -> (start of its end, both ends ready): commits
     for p in pairs:
+        both = max(p["send"]["start"], p["recv"]["start"])
         for end in (p["send"], p["recv"]):
             ready[(end["rank"], end["step"], end["op"], end["direction"], end["micro_batch"])] = (
-                max(p["send"]["start"], p["recv"]["start"])
+                both
             )
+            committed[end["rank"]].append((end["start"], both))
     out = []
     for r in ranks:
         for e in r["events"]:
@@ -210,6 +213,10 @@ def _timeline(ranks, pairs, dims, origin: float) -> list[dict]:
                 key = (r["rank"], e["step"], op, direction, e["micro_batch"])
                 if key in ready:  # the part before the peer was ready is waiting
                     item["ready"] = min(max(ready[key] - origin, item["start"]), item["end"])
+            elif e["kind"] == "commit":  # a batch: waiting until the last peer is there
+                mine = [b for a, b in committed[r["rank"]] if e["start"] <= a <= e["end"]]
+                if mine:
+                    item["ready"] = min(max(max(mine) - origin, item["start"]), item["end"])
             out.append(item)
     return sorted(out, key=lambda x: (x["rank"], x["start"]))
 

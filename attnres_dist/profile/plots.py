@@ -148,7 +148,7 @@ def plot_boundary_bytes(modes: dict[str, list[dict]], path: Path) -> Path:
     return path
 
 
-def plot_stage_breakdown(stages: list[dict], path: Path) -> Path:
+def plot_stage_breakdown(stages: list[dict], path: Path, schedule: str = "1F1B") -> Path:
     parts = [
         ("forward_s", "forward", COLORS["forward"]),
         ("backward_s", "backward", COLORS["backward"]),
@@ -167,7 +167,8 @@ def plot_stage_breakdown(stages: list[dict], path: Path) -> Path:
         ax.text(
             left,
             y,
-            f"  idle {row['idle_fraction']:.0%} (1F1B bubble {row['bubble_1f1b']:.0%})",
+            f"  idle {row['idle_fraction']:.0%} ({schedule} bubble "
+            f"{row.get('bubble_theory', row['bubble_1f1b']):.0%})",
             va="center",
             fontsize=8,
         )

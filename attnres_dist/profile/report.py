@@ -77,6 +77,9 @@ def build_profile(
             trace["gloo_send"]["bytes"] == expected["send"]
             and trace["gloo_recv"]["bytes"] == expected["recv"]
         )
+    bubble = virtual.bubble_section(cfg, ranks, dims)
+    for row in result["stages"]:  # the schedule's own, for every schedule
+        row["bubble_theory"] = bubble["theoretical"]
     return {
         "config": {
             "model": m.block_plan().describe(),
@@ -114,11 +117,13 @@ def build_profile(
         ),
         "stages": result["stages"],
         "bubble_1f1b": (dims.pp - 1) / (M + dims.pp - 1),
-        "bubble": virtual.bubble_section(cfg, ranks, dims),
+        "bubble": bubble,
         "virtual": vsection,
         "volumes": run_volumes(cfg, specs, opts.what_ifs),
         "modes": (
-            virtual.mode_transitions(cfg, trainer.builder.vocab_size, virtual.itemsize(trainer))
+            virtual.mode_transitions(
+                cfg, trainer.builder.vocab_size, virtual.itemsize(trainer), vsection["sends_cached"]
+            )
             if vsection
             else mode_specs(cfg, trainer.builder.vocab_size)
         ),
@@ -135,13 +140,17 @@ def write_outputs(profile: dict, run_dir: Path) -> None:
         "profile": "comm_profile.json",
         "report": "comm_report.md",
         "timeline": plots.plot_timeline(
-            profile["timeline"], run_dir / "timeline.png", title=_schedule_title(profile)
+            profile["timeline"],
+            run_dir / "timeline.png",
+            title=virtual.schedule_title(profile["bubble"]),
         ).name,
         "boundary_bytes": plots.plot_boundary_bytes(
             profile["modes"], run_dir / "boundary_bytes.png"
         ).name,
         "stage_breakdown": plots.plot_stage_breakdown(
-            profile["stages"], run_dir / "stage_breakdown.png"
+            profile["stages"],
+            run_dir / "stage_breakdown.png",
+            virtual.bubble_name(profile["bubble"]),
         ).name,
         "traces": sorted(tr["file"] for tr in profile["traces"].values() if tr),
     }
@@ -189,15 +198,6 @@ def _measured(x: dict) -> str:
     return ", ".join(f"{b:,}" for b in value) if isinstance(value, list) else f"{value:,}"
 
 
-def _schedule_title(profile: dict) -> str:
-    b = profile["bubble"]
-    if b["schedule"] == "1f1b":
-        return "Pipeline schedule per rank (1F1B, DeepSpeed)"
-    if b["schedule"] == "dualpipev":
-        return "Pipeline schedule per rank (DualPipeV, DeepSpeed)"
-    return f"Pipeline schedule per rank (interleaved 1F1B, V = {b['virtual_stages']})"
-
-
 def key_table(profile: dict) -> str:
     if profile.get("virtual"):
         return virtual.transition_table(profile["virtual"]["transitions"])
@@ -226,9 +226,10 @@ def key_table(profile: dict) -> str:
 
 
 def _stage_table(profile: dict) -> str:
+    name = virtual.bubble_name(profile["bubble"])
     rows = [
         "| stage | step ms | forward ms (per micro-batch) | backward ms (per micro-batch) | "
-        "transfer ms | other ms | idle ms | idle fraction | 1F1B bubble |",
+        f"transfer ms | other ms | idle ms | idle fraction | {name} bubble |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for s in profile["stages"]:
@@ -237,7 +238,7 @@ def _stage_table(profile: dict) -> str:
             f"({_ms(s['forward_per_micro_batch_s'])}) | {_ms(s['backward_s'])} "
             f"({_ms(s['backward_per_micro_batch_s'])}) | {_ms(s['transfer_s'])} | "
             f"{_ms(s['other_s'])} | {_ms(s['idle_s'])} | {s['idle_fraction']:.1%} | "
-            f"{s['bubble_1f1b']:.1%} |"
+            f"{s.get('bubble_theory', s['bubble_1f1b']):.1%} |"
         )
     return "\n".join(rows)
 
@@ -293,7 +294,8 @@ def _modes_table(profile: dict) -> str:
     ]
     for i, spec in enumerate(modes[names[0]]):
         cells = [f"{modes[n][i]['num_tensors']}, {modes[n][i]['bytes_forward']:,}" for n in names]
-        rows.append(f"| {spec['sender']} -> {spec['receiver']} | " + " | ".join(cells) + " |")
+        name = spec.get("label", f"{spec['sender']} -> {spec['receiver']}")
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -358,7 +360,8 @@ def render(profile: dict) -> str:
             _stage_table(profile),
             "",
             "Idle = step - forward - backward - transfer - other (waiting for a peer, schedule "
-            "overhead); the 1F1B bubble is (P - 1) / (M + P - 1).",
+            "overhead), next to the schedule's theoretical bubble (for 1F1B (P - 1) / (M + P - 1))"
+            ".",
             "",
             "## Bubble: measured vs the schedule's",
             "",

@@ -173,10 +173,10 @@ def _profile(trainer, opts: ProfileOptions) -> dict | None:
     transitions = None
     if cfg.parallel.schedule != "1f1b":  # per transition from the cache plan, not per stage
         from attnres_dist.pipeline.virtual_report import plan_for_config
-        from attnres_dist.profile.virtual import transition_specs
+        from attnres_dist.profile.virtual import sends_cached, transition_specs
 
         plan = plan_for_config(cfg, vocab, dtype.itemsize)
-        transitions = transition_specs(plan, cfg.parallel.cross_stage_cache)
+        transitions = transition_specs(plan, sends_cached(ds_engine, cfg))
         specs, sizes = [], {}
         for t in transitions:  # the largest payload between stage s and s + 1
             low = min(t["src_rank"], t["dst_rank"])

@@ -23,6 +23,16 @@ from fractions import Fraction
 from attnres_dist.profile.analysis import quantile, summary
 
 
+def sends_cached(ds_engine, cfg) -> bool:
+    """Whether the engine's chunk boundary sends the cached payload (else the naive one).
+
+    The boundary decides (``parallel.cross_stage_cache`` asks for the cache, the boundary the
+    engine was built with says what it sends); the config's choice where it does not say.
+    """
+    boundary = getattr(ds_engine, "boundary", None)
+    return bool(getattr(boundary, "cached", cfg.parallel.cross_stage_cache))
+
+
 def transition_specs(plan, cached: bool) -> list[dict]:
     """One dict per hand-over that crosses ranks: naive, cached and the active payload."""
     out = []
@@ -213,7 +223,7 @@ def bubble_lines(b: dict) -> list[str]:
     ]
 
 
-def mode_transitions(cfg, vocab_size: int, itemsize: int) -> dict[str, list[dict]]:
+def mode_transitions(cfg, vocab_size: int, itemsize: int, cached: bool) -> dict[str, list[dict]]:
     """The sent payload per transition for baseline, Full and Block AttnRes of the same model.
 
     Dicts shaped like ``BoundarySpec.to_dict`` (sender / receiver = the chunks) plus a
@@ -231,7 +241,7 @@ def mode_transitions(cfg, vocab_size: int, itemsize: int) -> dict[str, list[dict
         variant = dataclasses.replace(cfg, model=dataclasses.replace(m, attnres=attnres))
         plan = plan_for_config(variant, vocab_size, itemsize)
         rows = []
-        for t in transition_specs(plan, cfg.parallel.cross_stage_cache):
+        for t in transition_specs(plan, cached):
             shape = t["predicted_shape"]
             rows.append(
                 {
@@ -265,11 +275,12 @@ def virtual_section(trainer, transitions, ranks, dims, M) -> dict:
         "V": plan.layout.V,
         "chunks_of_rank": {r: plan.layout.chunks_of(r) for r in range(plan.layout.P)},
         "cross_stage_cache": cfg.parallel.cross_stage_cache,
+        "sends_cached": bool(transitions and transitions[0]["cached"]),
         "transitions": transition_rows(transitions, ranks, dims, M),
         "bytes_per_micro_batch": {
             "naive": plan.bytes_per_micro_batch(False),
             "cached": plan.bytes_per_micro_batch(True),
-            "sent": plan.bytes_per_micro_batch(cfg.parallel.cross_stage_cache),
+            "sent": plan.bytes_per_micro_batch(bool(transitions and transitions[0]["cached"])),
         },
         "peak_width": {"naive": plan.peak_width(False), "cached": plan.peak_width(True)},
         "totals": None if totals is None else {k: _plain(v) for k, v in totals.items()},
@@ -290,7 +301,7 @@ def boundary_lines(v: dict, table: str, verdict: str) -> list[str]:
     chunks = "; ".join(
         f"rank {r}: chunks {', '.join(map(str, cs))}" for r, cs in v["chunks_of_rank"].items()
     )
-    sent = "cached" if v["cross_stage_cache"] else "naive"
+    sent = "cached" if v["sends_cached"] else "naive"
     return [
         f"## Transitions (per micro-batch; {v['schedule']}, {v['P']} ranks x {v['V']} chunks)",
         "",
@@ -298,10 +309,26 @@ def boundary_lines(v: dict, table: str, verdict: str) -> list[str]:
         "",
         table,
         "",
-        f"parallel.cross_stage_cache = {str(v['cross_stage_cache']).lower()}: the {sent} "
-        "payload is sent. Bytes measured on the wire (every tensor queued for a batched "
-        f"commit) {verdict} the cache plan's prediction in both directions. Per micro-batch, "
+        f"parallel.cross_stage_cache = {str(v['cross_stage_cache']).lower()}; the engine's "
+        f"chunk boundary sends the {sent} payload. Bytes measured on the wire (every tensor "
+        f"queued for a batched commit) {verdict} the cache plan's prediction in both "
+        "directions. Per micro-batch, "
         f"one way: naive {b['naive']:,}, cached {b['cached']:,}, sent {b['sent']:,} bytes; "
         f"widest payload {v['peak_width']['naive']} -> {v['peak_width']['cached']} tensors.",
         "",
+    ]
+
+
+def schedule_title(bubble: dict) -> str:
+    """The timeline plot's title for the run's schedule."""
+    if bubble["schedule"] == "1f1b":
+        return "Pipeline schedule per rank (1F1B, DeepSpeed)"
+    if bubble["schedule"] == "dualpipev":
+        return "Pipeline schedule per rank (DualPipeV, DeepSpeed)"
+    return f"Pipeline schedule per rank (interleaved 1F1B, V = {bubble['virtual_stages']})"
+
+
+def bubble_name(bubble: dict) -> str:
+    return {"1f1b": "1F1B", "dualpipev": "DualPipeV", "interleaved": "interleaved"}[
+        bubble["schedule"]
     ]
