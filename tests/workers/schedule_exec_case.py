@@ -51,8 +51,8 @@ def main() -> None:
         name, V, M, fwd_ms, bwd_ms, *flags = case.split(":")
         V, M = int(V), int(M)
         schedule, chunk_of, C, phased = build_schedule(name, P, rank, M, V)
-        if "swap" in flags and rank == 0:
-            schedule = swapped(schedule)
+        # built before the barrier: the interleaved order imports Megatron on first use
+        schedule = swapped(schedule) if "swap" in flags and rank == 0 else list(schedule)
         dist.barrier()
         result = execute(
             schedule,
