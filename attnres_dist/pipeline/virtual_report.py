@@ -25,16 +25,12 @@ from attnres_dist.pipeline.stage_cache_plan import (
 
 
 def plan_for_config(cfg, vocab_size: int, itemsize: int = 4) -> CachePlan:
-    """The cache plan of a run whose ``parallel.schedule`` is dualpipev or interleaved."""
-    from attnres_dist.config.schedule_rules import chunks_per_rank
-    from attnres_dist.pipeline.virtual_layout import build_layout
+    """The cache plan of a run whose ``parallel.schedule`` is dualpipev or interleaved (the
+    layout and plan the engine is built with, ``virtual_setup``)."""
+    from attnres_dist.pipeline import virtual_setup
 
-    m, p = cfg.model, cfg.parallel
-    placement = "vshape" if p.schedule == "dualpipev" else "looped"
-    layout = build_layout(m, p.pp, chunks_per_rank(cfg), placement, p.partition, vocab_size)
-    return CachePlan(
-        layout, m.block_plan(), m.seq_length, cfg.train.micro_batch_size, m.hidden_size, itemsize
-    )
+    layout = virtual_setup.layout_of(cfg, vocab_size)
+    return virtual_setup.cache_plan(cfg, layout, itemsize)
 
 
 def plan_totals(plan: CachePlan) -> dict | None:
