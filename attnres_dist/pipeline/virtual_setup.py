@@ -3,7 +3,9 @@
 ``parallel.schedule: dualpipev`` is the V shape (2 chunks per rank), ``interleaved`` the looped
 layout with ``parallel.virtual_stages`` chunks per rank. The cache plan (``stage_cache_plan``)
 gives every phase's static payload shapes, naive or cached, whichever the rank's chunk
-boundary sends. ``make_boundary`` is where the boundary is chosen.
+boundary sends. ``make_boundary`` chooses the boundary: the cross-stage cache
+(``stage_cache.CachedBoundary``) with ``parallel.cross_stage_cache: true``, the naive contract
+without.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from attnres_dist.config import Config
 from attnres_dist.config.schedule_rules import chunks_per_rank
 from attnres_dist.model.gpt import ModelBuilder
 from attnres_dist.pipeline.chunk_boundary import NaiveBoundary
+from attnres_dist.pipeline.stage_cache import CachedBoundary
 from attnres_dist.pipeline.stage_cache_plan import CachePlan
 from attnres_dist.pipeline.virtual_layout import VirtualLayout, build_layout
 
@@ -35,14 +38,15 @@ def cache_plan(cfg: Config, layout: VirtualLayout, itemsize: int = 4) -> CachePl
     )
 
 
-def make_boundary(cfg: Config, layout: VirtualLayout, plan: CachePlan):
+def make_boundary(cfg: Config, layout: VirtualLayout, plan: CachePlan, stage: int):
     """The rank's chunk boundary and a line saying which one it is."""
-    boundary = NaiveBoundary(layout, plan.block_plan)
     if cfg.parallel.cross_stage_cache:
-        return boundary, (
-            "chunk boundary: naive contract (parallel.cross_stage_cache=true, but the "
-            "cross-stage cache is not available: every transition sends all blocks)"
+        return CachedBoundary(plan, stage), (
+            f"chunk boundary: cross-stage cache ({len(plan.entries_of(stage))} cached blocks "
+            f"per micro-batch on this rank; widest payload {plan.peak_width(True)} blocks, "
+            f"naive {plan.peak_width(False)})"
         )
+    boundary = NaiveBoundary(layout, plan.block_plan)
     return boundary, "chunk boundary: naive contract (parallel.cross_stage_cache=false)"
 
 
@@ -58,7 +62,7 @@ def build_module(cfg: Config, builder: ModelBuilder, topology, stage: int):
     layout = layout_of(cfg, builder.vocab_size)
     itemsize = payload_dtype(builder.runtime).itemsize
     plan = cache_plan(cfg, layout, itemsize)
-    boundary, note = make_boundary(cfg, layout, plan)
+    boundary, note = make_boundary(cfg, layout, plan, stage)
     module = VirtualPipelineModule(
         builder,
         layout,
