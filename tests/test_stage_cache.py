@@ -26,7 +26,7 @@ from attnres_dist.model.embedding_head import lm_loss
 from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
-from attnres_dist.pipeline.contract import pack, unpack
+from attnres_dist.pipeline.chunk_boundary import NaiveBoundary
 from attnres_dist.pipeline.interleaved_schedule import InterleavedSchedule
 from attnres_dist.pipeline.schedule_sim import simulate
 from attnres_dist.pipeline.stage_cache import CachedBoundary, CacheLeakError
@@ -41,27 +41,8 @@ def process_group():
     init_distributed(ParallelDims(), seed=0)
 
 
-class Naive:
-    """The naive contract at a chunk's edges: everything crosses, nothing is kept."""
-
-    def __init__(self, plan: CachePlan, rank: int):
-        self.plan = plan
-
-    def receive(self, chunk, micro_batch, payload):
-        n = self.plan.layout.layers_before(chunk)
-        return unpack(payload, self.plan.block_plan, n, f"into chunk {chunk}")
-
-    def send(self, chunk, micro_batch, state):
-        return pack(state)
-
-    def backward_extras(self, chunk, micro_batch):
-        return [], []
-
-    def after_backward(self, chunk, micro_batch):
-        pass
-
-    def check_empty(self):
-        pass
+def naive(plan: CachePlan, rank: int) -> NaiveBoundary:
+    return NaiveBoundary(plan.layout, plan.block_plan)
 
 
 def model_config(num_layers, mode, block_size, tie=True):
@@ -224,7 +205,7 @@ def test_cache_and_naive_reproduce_the_whole_graph(case, keep_produced):
     m, layout, plan, batches = setup(case, keep_produced)
     ref_losses, ref_hidden, ref_grads = reference(ModelBuilder(m, VOCAB, seed=3), batches)
     order, orders = schedule_order(layout, len(batches))
-    for kind in (Naive, CachedBoundary) if keep_produced else (CachedBoundary,):
+    for kind in (naive, CachedBoundary) if keep_produced else (CachedBoundary,):
         chain = Chain(ModelBuilder(m, VOCAB, seed=3), layout)
         losses, hidden, sent, bnd = run_chain(chain, plan, kind, batches, order)
         for mb in ref_losses:

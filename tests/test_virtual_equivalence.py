@@ -6,13 +6,16 @@ the single-process reference, with gradient clipping active; per-step losses, th
 validation loss (the forward-only schedules) and every parameter must match within TOL. With
 block size 3 and one or two layers (2 or 4 sublayers) per chunk, block boundaries fall inside
 chunks, so partial blocks cross the transitions. The grid and its machinery are those of
-``test_pipeline_equivalence.py``.
+``test_pipeline_equivalence.py``. The cross-stage cache is on (the default) except where a
+case turns it off; the two-rank grid also records the wire and checks that every payload is the
+cache plan's (``p2p_record.py``): cached payloads are smaller, the bytes exactly predicted.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from tests.p2p_record import check_wire, plan_bytes, run_recorded
 from tests.test_pipeline_equivalence import MODES, TOL, assert_matches, overrides, train_case
 
 SCHEDULES = {
@@ -35,12 +38,29 @@ def check(result: dict, reference: dict, label: str) -> None:
     assert abs(result["valid"] - reference["valid"]) <= TOL * (1 + abs(reference["valid"]))
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_two_ranks_match_reference(schedule, mode, references, small_dataset, tmp_path):
-    args = overrides(small_dataset, mode, str(tmp_path / "run"), pp=2, **SCHEDULES[schedule])
-    result = train_case(tmp_path, "case", args, nproc=2)
-    check(result, references[mode], f"{schedule} {mode} pp=2")
+# the cross-stage cache is on by default; off (the naive payload) in block mode for comparison
+TWO_RANKS = [(s, m, True) for s in SCHEDULES for m in MODES] + [
+    (s, "block", False) for s in SCHEDULES
+]
+
+
+@pytest.mark.parametrize(
+    "schedule, mode, cache", TWO_RANKS, ids=lambda v: {True: "cache", False: "naive"}.get(v, v)
+)
+def test_two_ranks_match_reference(schedule, mode, cache, references, small_dataset, tmp_path):
+    """Also on the wire: every payload sent is the cache plan's (``p2p_record.check_wire``)."""
+    extra = {**SCHEDULES[schedule], "parallel.cross_stage_cache": str(cache).lower()}
+    args = overrides(small_dataset, mode, str(tmp_path / "run"), pp=2, **extra)
+    result, records = run_recorded(tmp_path, args, nproc=2)
+    check(result, references[mode], f"{schedule} {mode} pp=2 cache={cache}")
+    sent = check_wire(args, records)
+    cached, naive = plan_bytes(args)
+    if mode != "baseline":  # baseline carries one hidden state either way
+        assert cached < naive, (cached, naive)
+    print(
+        f"{schedule} {mode} cache={cache}: {sent:,} bytes sent (plan per micro-batch: "
+        f"cached {cached:,}, naive {naive:,})"
+    )
 
 
 def test_interleaved_beside_data_parallel(references, small_dataset, tmp_path):
