@@ -160,7 +160,7 @@ def profiled_interleaved(small_dataset, tmp_path_factory):
         *overrides(small_dataset, str(run_dir), 2),
         "parallel.schedule=interleaved",
         "parallel.virtual_stages=2",
-        "parallel.cross_stage_cache=false",
+        "parallel.cross_stage_cache=true",
     ]
     run_job([*profile_cli(2), *args], nproc=2)
     return json.loads((run_dir / "comm_profile.json").read_text()), run_dir
@@ -180,7 +180,7 @@ def test_profile_interleaved_bytes_per_transition(profiled_interleaved):
     assert [r["naive_bytes"] for r in rows] == VIRTUAL_NAIVE_BYTES
     assert [r["cached_bytes"] for r in rows] == VIRTUAL_CACHED_BYTES
     M = profile["config"]["micro_batches_per_step"]
-    for row, expected in zip(rows, VIRTUAL_NAIVE_BYTES, strict=True):
+    for row, expected in zip(rows, VIRTUAL_CACHED_BYTES, strict=True):  # the cache is on
         for direction in ("forward", "backward"):
             measured = row[direction]
             assert measured["measured_bytes"] == expected, (row["name"], direction)
@@ -191,7 +191,7 @@ def test_profile_interleaved_bytes_per_transition(profiled_interleaved):
     assert v["bytes_per_micro_batch"] == {
         "naive": sum(VIRTUAL_NAIVE_BYTES),
         "cached": sum(VIRTUAL_CACHED_BYTES),
-        "sent": sum(VIRTUAL_NAIVE_BYTES),
+        "sent": sum(VIRTUAL_CACHED_BYTES),
     }
     for trace in profile["traces"].values():  # gloo's own count of the traced step
         assert trace["bytes_equal"], trace
