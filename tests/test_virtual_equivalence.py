@@ -93,17 +93,41 @@ def test_three_chunks_per_rank_with_dropout_and_recompute(small_dataset, tmp_pat
     check(train_case(tmp_path, "case", args, nproc=2), reference, "interleaved V=3 dropout")
 
 
+# pp = 4: 8 one-layer chunks, 8 micro-batches (DualPipeV's 2P); 8 evaluation micro-batches, so
+# evaluation on the V runs DualPipeV's own forward-only schedule
+EIGHT = {"model.num_layers": 8, "train.global_batch_size": 16, "train.eval_batches": 8}
+
+
 @pytest.fixture(scope="module")
 def reference_8_layers(small_dataset, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ref8")
-    extra = {"model.num_layers": 8, "train.global_batch_size": 16}
-    return train_case(tmp, "ref", overrides(small_dataset, "block", str(tmp / "r"), **extra), 1)
+    return train_case(tmp, "ref", overrides(small_dataset, "block", str(tmp / "r"), **EIGHT), 1)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_four_ranks_match_reference(schedule, reference_8_layers, small_dataset, tmp_path):
-    extra = {"model.num_layers": 8, "train.global_batch_size": 16, **SCHEDULES[schedule]}
+    extra = {**EIGHT, **SCHEDULES[schedule]}
     args = overrides(small_dataset, "block", str(tmp_path / "run"), pp=4, **extra)
     result = train_case(tmp_path, "case", args, nproc=4)
     check(result, reference_8_layers, f"{schedule} block pp=4")
+
+
+def test_named_micro_batches_get_the_keys_of_counted_ones():
+    """Chunks run out of order: naming micro-batch i gives the key that counting in order gives
+    the i-th forward (data-parallel offset included)."""
+    from attnres_dist.model import dropout_streams as ds
+
+    ds.begin_step(7, 3, first_micro_batch=4)
+    counted = []
+    for _ in range(3):
+        ds.next_micro_batch()
+        counted.append(ds.current_key())
+    ds.begin_step(7, 3, first_micro_batch=4)
+    named = {}
+    for mb in (2, 0, 1, 0):
+        ds.use_micro_batch(mb)
+        named[mb] = ds.current_key()
+    ds.end()
+    assert [named[i] for i in range(3)] == counted
+    assert counted[0] == (7, 3, 4)
