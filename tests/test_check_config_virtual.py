@@ -1,8 +1,9 @@
 """``check-config`` on virtual schedules: chunks per rank, each transition naive vs cached.
 
 The expected text is worked out by hand for the default model shape (configs/tiny.yaml: 4
-layers, block size 2 = one block per layer, [s, b, h] = [128, 8, 128] fp32 = 524,288 bytes per
-block tensor) over P = 2 ranks x V = 2 chunks, chunk c = layer c on rank c mod 2:
+layers, block size 2 = one block per layer) with micro-batches of 8, [s, b, h] = [128, 8, 128]
+fp32 = 524,288 bytes per block tensor, over P = 2 ranks x V = 2 chunks, chunk c = layer c on
+rank c mod 2:
 
 * chunk 0 -> 1: b0, b1 (rank 1 holds nothing yet): 2 tensors, both ways;
 * chunk 1 -> 2: naive b0..b2; rank 0 kept b0, b1 from chunk 0, so cached b2 alone;
@@ -21,10 +22,11 @@ from tests.conftest import REPO
 
 TINY = str(REPO / "configs" / "tiny.yaml")
 INTERLEAVED = ["parallel.schedule=interleaved", "parallel.virtual_stages=2"]
+BATCH = ["train.micro_batch_size=8", "train.global_batch_size=32"]  # b = 8 in the shapes below
 
 
 def check_config(capsys, *overrides) -> list[str]:
-    assert main(["check-config", "--config", TINY, *overrides]) == 0
+    assert main(["check-config", "--config", TINY, *BATCH, *overrides]) == 0
     return capsys.readouterr().out.splitlines()
 
 

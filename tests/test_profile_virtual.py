@@ -44,7 +44,15 @@ def test_measured_bubble_by_hand():
 
 def _cfg(*overrides):
     return load_config(
-        TINY, ["parallel.schedule=interleaved", "parallel.virtual_stages=2", *overrides]
+        TINY,
+        [
+            "parallel.schedule=interleaved",
+            "parallel.virtual_stages=2",
+            # micro-batches of 8: the byte counts below are for [s, b, h] = [128, 8, 128]
+            "train.micro_batch_size=8",
+            "train.global_batch_size=32",
+            *overrides,
+        ],
     )
 
 
