@@ -92,35 +92,42 @@ class _Phase1(torch.autograd.Function):
         tokens, s = b.shape[1], queries.shape[0]
         u = norm_weights.to(dtype) * queries.to(dtype)
         flat = b.reshape(n * tokens, dim)
+        b_t = b.transpose(0, 1)  # [T, n, D] view: the per-token matrices the bmms read
+        # logits and p recomputed token-major ([T, n, S], small): the bmm results land there
         logits = torch.mm(flat, u.t()).mul_(rstd.unsqueeze(1)).view(n, tokens, s)
-        p = (logits - lse.t()).exp_()  # [n, T, S]
-        d_logit = torch.zeros_like(p)
-        g = None
+        logits = logits.transpose(0, 1)
+        p = (logits - lse.t().unsqueeze(1)).exp_()  # [T, n, S]
+        g_t = None
         if grad_out1 is not None:
-            g = grad_out1.reshape(s, tokens, dim).to(dtype)
+            # token-major copy of G (S/n of a block pass), so both bmms read dense matrices
+            g_t = grad_out1.reshape(s, tokens, dim).to(dtype).transpose(0, 1).contiguous()
             # d p_lj = <G_l, b_j>; the softmax's backward subtracts sum_j p_lj d p_lj (formed
             # from d p itself, so a single block gets exactly zero logit gradient)
-            g_t = g.transpose(0, 1)  # [T, S, D]
-            d_logit += torch.bmm(b.transpose(0, 1), g_t.transpose(1, 2)).transpose(0, 1)
-            d_logit -= (p * d_logit).sum(dim=0)
-        if grad_lse is not None:
-            d_logit += grad_lse.reshape(s, tokens).to(dtype).t()
-        d_logit.mul_(p)
-        d_flat = d_logit.view(n * tokens, s)
+            d_logit = torch.bmm(b_t, g_t.transpose(1, 2))  # [T, n, S]
+            d_logit -= (p * d_logit).sum(dim=1, keepdim=True)
+            if grad_lse is not None:
+                d_logit += grad_lse.reshape(s, tokens).to(dtype).t().unsqueeze(1)
+        else:
+            d_logit = grad_lse.reshape(s, tokens).to(dtype).t().unsqueeze(1).expand_as(p)
+        d_logit = d_logit * p  # [T, n, S]
         need_b, need_q, need_g = ctx.needs_input_grad[:3]
         grad_b = grad_q = grad_g = None
+        # block-major [n * T, S] with rstd folded in: d(b_j . u_l) = r_j * dlogit_lj
+        d_raw = d_logit.transpose(0, 1).reshape(n * tokens, s)
+        coef = (d_raw * logits.transpose(0, 1).reshape(n * tokens, s)).sum(dim=-1)
+        d_raw.mul_(rstd.unsqueeze(1))
         if need_b:
             # d b_j = sum_l p_lj G_l + r_j * sum_l dlogit_lj u_l - r_j^2 / D * c_j * b_j,
             # c_j = sum_l dlogit_lj * logit_lj
-            coef = (d_logit * logits).sum(dim=-1).view(-1).mul_(rstd.square() * (-1.0 / dim))
-            gb = torch.mm(d_flat, u).mul_(rstd.unsqueeze(1))
+            coef.mul_(rstd.square()).mul_(-1.0 / dim)
+            gb = torch.mm(d_raw, u)
             gb.addcmul_(flat, coef.unsqueeze(1))
             gb = gb.view(n, tokens, dim)
-            if g is not None:  # + sum_l p_lj G_l, batched over tokens
-                gb += torch.bmm(p.transpose(0, 1), g_t).transpose(0, 1)
+            if g_t is not None:  # + sum_l p_lj G_l, batched over tokens
+                gb += torch.bmm(p, g_t).transpose(0, 1)
             grad_b = gb.to(blocks.dtype).view(blocks.shape)
         if need_q or need_g:
-            du = torch.mm((d_flat * rstd.unsqueeze(1)).t(), flat)  # [S, D]
+            du = torch.mm(d_raw.t(), flat)  # [S, D]
             if need_q:
                 grad_q = (du * norm_weights.to(dtype)).to(queries.dtype)
             if need_g:
@@ -198,6 +205,64 @@ class _Phase2(torch.autograd.Function):
         return grad_o1, grad_l1, grad_e, grad_q, grad_g, None
 
 
+class _Merge1(torch.autograd.Function):
+    """``phase2`` for one extra source (the Block partial): a two-way softmax, so the mix is
+    ``lerp(out1, e, a)`` with ``a = sigmoid(le - lse)`` and nothing but ``a`` and the key
+    statistics of ``e`` ([T] floats each) is saved."""
+
+    @staticmethod
+    def forward(ctx, out1, lse, extra, query, norm_weight, eps):
+        dim = extra.shape[-1]
+        dtype = compute_dtype(extra.dtype)
+        e = extra.reshape(-1, dim).to(dtype)  # [T, D]
+        o1 = out1.reshape(e.shape).to(dtype)
+        u = norm_weight.to(dtype) * query.to(dtype)
+        rstd = _key_stats(e, eps)
+        le = torch.mv(e, u).mul_(rstd)  # [T]
+        a = torch.sigmoid(le - lse.reshape(-1).to(dtype))  # weight of e; out1's is 1 - a
+        out = torch.lerp(o1, e, a.unsqueeze(1))
+        ctx.save_for_backward(out1, extra, query, norm_weight, rstd, le, a)
+        ctx.lse_dtype = lse.dtype
+        ctx.set_materialize_grads(False)
+        return out.to(extra.dtype).view(extra.shape[1:])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        out1, extra, query, norm_weight, rstd, le, a = ctx.saved_tensors
+        if grad_out is None:
+            return None, None, None, None, None, None
+        dim = extra.shape[-1]
+        dtype = compute_dtype(extra.dtype)
+        e = extra.reshape(-1, dim).to(dtype)
+        o1 = out1.reshape(e.shape).to(dtype)
+        g = grad_out.reshape(e.shape).to(dtype)
+        u = norm_weight.to(dtype) * query.to(dtype)
+        # out = o1 + a (e - o1): d a = <G, e - o1>; a = sigmoid(le - lse): d le = a (1 - a) d a
+        d_le = torch.linalg.vecdot(g, e - o1).mul_(a).mul_(1.0 - a)  # [T]
+        need = ctx.needs_input_grad
+        grad_o1 = grad_l1 = grad_e = grad_q = grad_g = None
+        if need[0] or need[2]:
+            ga = g * a.unsqueeze(1)  # G a: e's share; out1's is G - G a
+            if need[0]:
+                grad_o1 = (g - ga).to(out1.dtype).view(out1.shape)
+        if need[1]:
+            grad_l1 = d_le.neg().to(ctx.lse_dtype).view(out1.shape[:-1])
+        d_raw = d_le * rstd  # d <e, u>
+        if need[2]:
+            # d e = G a + r * dle * u - r^2 / D * dle * le * e
+            coef = (d_le * le).mul_(rstd.square()).mul_(-1.0 / dim)
+            ga.addr_(d_raw, u).addcmul_(e, coef.unsqueeze(1))
+            grad_e = ga.to(extra.dtype).view(extra.shape)
+        if need[3] or need[4]:
+            du = torch.mv(e.t(), d_raw)
+            if need[3]:
+                grad_q = (du * norm_weight.to(dtype)).to(query.dtype)
+            if need[4]:
+                grad_g = (du * query.to(dtype)).to(norm_weight.dtype)
+        return grad_o1, grad_l1, grad_e, grad_q, grad_g, None
+
+
 def phase1(
     blocks: Tensor, queries: Tensor, norm_weights: Tensor, eps: float = 1e-6
 ) -> tuple[Tensor, Tensor]:
@@ -233,6 +298,8 @@ def phase2(
         )
     if lse.shape != out1.shape[:-1]:
         raise ValueError(f"lse must have shape {tuple(out1.shape[:-1])}, got {tuple(lse.shape)}")
+    if extra.shape[0] == 1:
+        return _Merge1.apply(out1, lse, extra, query, norm_weight, eps)
     return _Phase2.apply(out1, lse, extra, query, norm_weight, eps)
 
 
