@@ -105,7 +105,10 @@ class Segment:
         gains = _StackParameters.apply(*(m.key_norm_weight for m in self.mixers))
         # phase 1 reads the blocks completed when the block (or Full group) began, wherever
         # the segment starts: a stage or recompute cut then changes no arithmetic
-        out1, lse = op.phase1(state.store[: self.rows], queries, gains, eps=eps)
+        store = state.store
+        if store.shape[0] != self.rows:  # a cut inside a Full group (slicing has a cost)
+            store = store[: self.rows]
+        out1, lse = op.phase1(store, queries, gains, eps=eps)
         # unbind once: one backward node stacks the S gradients, where S separate index
         # ops would each fill a zero tensor of the whole [S, ...] and add it up
         cache = Phase1Cache(self.first, self.rows, out1.unbind(0), lse.unbind(0))
@@ -117,8 +120,12 @@ def merge_inputs(state: DepthState, sublayer: int):
     cache = state.phase1
     k = sublayer - cache.first
     extra = []
-    if state.num_completed > cache.rows:  # Full: the group's earlier outputs
-        extra.append(state.store[cache.rows :])
+    closed = cache.closed
+    received = state.num_completed - cache.rows - len(closed)
+    if received:  # Full: the group's earlier outputs that came with the state (a cut)
+        extra.append(state.store[cache.rows : cache.rows + received])
+    if closed:  # Full: the group's outputs closed since the segment began
+        extra.append(torch.stack(closed))
     if state.partial is not None:  # Block: the partial block
         extra.append(state.partial.unsqueeze(0))
     extra = None if not extra else extra[0] if len(extra) == 1 else torch.cat(extra)

@@ -72,6 +72,10 @@ class Phase1Cache:
     rows: int  # completed blocks phase 1 attended over
     out1: tuple[torch.Tensor, ...]  # S' x [s, b, h] float32
     lse: tuple[torch.Tensor, ...]  # S' x [s, b] float32
+    # blocks closed since the segment began (Full: the group's own outputs), as the tensors
+    # that were appended: phase 2 reads them without slicing the store, whose slice would
+    # backpropagate a zero-filled gradient of the whole store per sublayer
+    closed: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -133,7 +137,10 @@ class DepthState:
     def close_block(self, capacity: int) -> DepthState:
         """The partial block appended to the store; no partial block after it."""
         store, buffer = self.append(self.partial, capacity)
-        return replace(self, store=store, partial=None, buffer=buffer)
+        phase1 = self.phase1
+        if phase1 is not None:
+            phase1 = replace(phase1, closed=(*phase1.closed, self.partial.to(store.dtype)))
+        return replace(self, store=store, partial=None, buffer=buffer, phase1=phase1)
 
     def payload(self) -> torch.Tensor:
         """ONE tensor ``[k, s, b, h]``: the store, plus the partial block as its last row."""
