@@ -6,7 +6,8 @@ bytes of its tensor inputs to ``read`` and of its tensor outputs to ``written``.
 bytes are those of its own elements (``numel * element_size``), not of the storage it views.
 Metadata-only ops (views, ``detach``, ``empty``, ...) read and write nothing and are skipped,
 so the counts are the memory traffic of an unfused execution: an upper bound on what a fused
-kernel that keeps intermediates in registers would move.
+kernel that keeps intermediates in registers would move. ``calls`` counts every aten call,
+views included (the per-op overhead a step pays on CPU).
 """
 
 from __future__ import annotations
@@ -57,10 +58,12 @@ class OpBytesCounter(TorchDispatchMode):
         self.read = 0
         self.written = 0
         self.ops: Counter[str] = Counter()
+        self.calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
+        self.calls += 1
         if name.rstrip("_") not in _NO_TRAFFIC and name not in _NO_TRAFFIC:
             self.read += _tensor_bytes((args, kwargs))
             self.written += _tensor_bytes(out)

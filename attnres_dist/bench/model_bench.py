@@ -3,7 +3,11 @@ Megatron-layer model costs over a plain-PyTorch GPT.
 
 Every number is a training step (forward + backward + AdamW) on one ``[batch, seq + 1]`` token
 window, timed with every variant of a group interleaved (the order rotates each repetition)
-and reported as the median; the machine is shared, so the ratios are the result.
+and reported as the median; the machine is shared, so the ratios are the result. Each step is
+timed twice: wall clock (``ratios``) and the process's CPU time (``ratios_cpu``: all its
+threads; less sensitive to waiting for a core on a loaded machine). One more step per variant
+counts its aten calls (``aten_calls``: every call, views included; ``aten_compute_calls``:
+without metadata-only ops), the per-op overhead a CPU step pays.
 
 * ``step``: for each shape (``SHAPES``: the tiny default, the study's 12 x 64, a deep 32 x 64),
   baseline, Block and Full AttnRes, each on the old path (``model.attnres.impl=lean``,
@@ -73,13 +77,22 @@ class Case:
         self.model.train()
 
     def step(self) -> float:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.loss(self.window).backward()
         self.optimizer.step()
         if self.window.is_cuda:
             torch.cuda.synchronize()
+        self.last_cpu_s = time.process_time() - cpu
         return time.perf_counter() - start
+
+    def aten_calls(self) -> dict:
+        """aten calls of one training step (forward, backward and optimizer)."""
+        from attnres_dist.bench.io_counter import OpBytesCounter
+
+        with OpBytesCounter() as counter:
+            self.step()
+        return {"all": counter.calls, "compute": sum(counter.ops.values())}
 
 
 def build_case(overrides: list[str], window: torch.Tensor, config=CONFIG) -> Case:
@@ -108,8 +121,11 @@ def build_plain(overrides: list[str], window: torch.Tensor, config=CONFIG) -> Ca
     return Case(model, window.to(device), "plain-PyTorch GPT (SDPA, RoPE, SwiGLU, RMSNorm)")
 
 
-def interleaved(cases: dict[str, Case], reps: int, warmup: int) -> dict[str, list[float]]:
-    """Step times per case; each repetition runs every case once, in a rotating order."""
+def interleaved(
+    cases: dict[str, Case], reps: int, warmup: int, cpu: dict | None = None
+) -> dict[str, list[float]]:
+    """Step times per case; each repetition runs every case once, in a rotating order.
+    ``cpu``, when given, receives each case's CPU-time samples."""
     names = list(cases)
     times: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(warmup + reps):
@@ -118,6 +134,8 @@ def interleaved(cases: dict[str, Case], reps: int, warmup: int) -> dict[str, lis
             elapsed = cases[name].step()
             if rep >= warmup:
                 times[name].append(elapsed)
+                if cpu is not None:
+                    cpu.setdefault(name, []).append(cases[name].last_cpu_s)
     return times
 
 
@@ -143,7 +161,26 @@ def step_group(
             cases[f"{mode}_{path}"] = build_case(
                 [*words, *path_overrides(path, old_impl, new_impl)], window
             )
-    times = interleaved(cases, reps, warmup)
+    cpu: dict[str, list[float]] = {}
+    times = interleaved(cases, reps, warmup, cpu)
+    calls = {name: case.aten_calls() for name, case in cases.items()}
+    return {
+        "variants": {
+            n: {
+                "model": c.describe,
+                "step_s": _stats(times[n]),
+                "cpu_s": _stats(cpu[n]),
+                "aten_calls": calls[n]["all"],
+                "aten_compute_calls": calls[n]["compute"],
+            }
+            for n, c in cases.items()
+        },
+        "ratios": _step_ratios(times),
+        "ratios_cpu": _step_ratios(cpu),
+    }
+
+
+def _step_ratios(times: dict[str, list[float]]) -> dict[str, float]:
     med = {name: statistics.median(t) for name, t in times.items()}
     ratios = {}
     for path in ("old", "new"):
@@ -151,12 +188,7 @@ def step_group(
             ratios[f"{mode}_over_baseline_{path}"] = med[f"{mode}_{path}"] / med[f"baseline_{path}"]
     for mode in MODES:
         ratios[f"{mode}_new_over_old"] = med[f"{mode}_new"] / med[f"{mode}_old"]
-    return {
-        "variants": {
-            n: {"model": c.describe, "step_s": _stats(times[n])} for n, c in cases.items()
-        },
-        "ratios": ratios,
-    }
+    return ratios
 
 
 def throughput_group(
@@ -241,7 +273,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-impl", default=None, help="default: the config's default")
     args = parser.parse_args(argv)
     result = run(args.out, reps=args.reps, old_impl=args.old_impl, new_impl=args.new_impl)
-    print(json.dumps({k: v["ratios"] for k, v in result["step"].items()}, indent=2))
+    for key in ("ratios", "ratios_cpu"):
+        print(key, json.dumps({k: v[key] for k, v in result["step"].items()}, indent=2))
+    calls = {
+        k: {n: v["aten_calls"] for n, v in g["variants"].items()} for k, g in result["step"].items()
+    }
+    print("aten calls per step", json.dumps(calls, indent=2))
     print(json.dumps(result["throughput"]["ratios"], indent=2))
 
 

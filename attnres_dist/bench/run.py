@@ -117,6 +117,25 @@ def _model_rows(model: dict) -> list[str]:
             f"| {r['block_new_over_old']:.3f} | {r['full_new_over_old']:.3f} "
             f"| {r['baseline_new_over_old']:.3f} |"
         )
+    lines += [
+        "",
+        "The same ratios in CPU time (the process's, all threads), and the aten calls of one "
+        "step (views included):",
+        "",
+        "| shape | Block / baseline (CPU) | Full / baseline (CPU) | aten calls: baseline, "
+        "Block, Full, new path (old path) |",
+        "|---|---|---|---|",
+    ]
+    for shape, group in model["step"].items():
+        r, v = group["ratios_cpu"], group["variants"]
+        calls = ", ".join(
+            f"{v[f'{m}_new']['aten_calls']:,} ({v[f'{m}_old']['aten_calls']:,})"
+            for m in model_bench.MODES
+        )
+        lines.append(
+            f"| {shape} | {r['block_over_baseline_new']:.3f} ({r['block_over_baseline_old']:.3f}) "
+            f"| {r['full_over_baseline_new']:.3f} ({r['full_over_baseline_old']:.3f}) | {calls} |"
+        )
     t = model["throughput"]
     v, r = t["variants"], t["ratios"]
     lines += [
