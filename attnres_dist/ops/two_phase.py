@@ -77,7 +77,7 @@ class _Phase1(torch.autograd.Function):
         # token-major; out1 is returned as its [S, T, D] view (no transposing copy).
         out1 = torch.bmm(p.permute(1, 2, 0), b.transpose(0, 1)).transpose(0, 1)  # [S, T, D]
         lse = lse.t()  # [S, T] view
-        ctx.save_for_backward(blocks, queries, norm_weights, rstd, lse)
+        ctx.save_for_backward(blocks, queries, norm_weights, rstd)
         ctx.eps = eps
         ctx.set_materialize_grads(False)
         return out1.view(s, *batch, dim), lse.view(s, *batch)
@@ -85,49 +85,52 @@ class _Phase1(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out1, grad_lse):
-        blocks, queries, norm_weights, rstd, lse = ctx.saved_tensors
+        blocks, queries, norm_weights, rstd = ctx.saved_tensors
         n, dim = blocks.shape[0], blocks.shape[-1]
         dtype = compute_dtype(blocks.dtype)
         b = blocks.reshape(n, -1, dim).to(dtype)
         tokens, s = b.shape[1], queries.shape[0]
         u = norm_weights.to(dtype) * queries.to(dtype)
-        flat = b.reshape(n * tokens, dim)
-        b_t = b.transpose(0, 1)  # [T, n, D] view: the per-token matrices the bmms read
-        # logits and p recomputed token-major ([T, n, S], small): the bmm results land there
-        logits = torch.mm(flat, u.t()).mul_(rstd.unsqueeze(1)).view(n, tokens, s)
-        logits = logits.transpose(0, 1)
-        p = (logits - lse.t().unsqueeze(1)).exp_()  # [T, n, S]
-        g_t = None
+        b_t = b.transpose(0, 1)  # [T, n, D] view: the per-token matrices
+        # Z(t) = [G(t); u], [T, 2S, D]: ONE batched product with the blocks gives d p_lj =
+        # <G_l, b_j> and the raw logits <b_j, u_l> (the blocks are read once), and ONE more
+        # gives sum_l p_lj G_l + r_j sum_l dlogit_lj u_l
+        u_t = u.unsqueeze(0).expand(tokens, s, dim)
+        if grad_out1 is None:
+            z = u_t
+        else:
+            g_t = grad_out1.reshape(s, tokens, dim).to(dtype).transpose(0, 1)
+            z = torch.cat((g_t, u_t), dim=1)
+        r_t = rstd.view(n, tokens).t().unsqueeze(2)  # [T, n, 1]
+        prod = torch.bmm(b_t, z.transpose(1, 2))  # [T, n, S or 2S]
+        logits = prod[..., -s:].mul_(r_t)
+        # normalised over the recomputed logits, not with the forward's lse: this product rounds
+        # differently from the forward's, and p must sum to one (exactly 1 for one block)
+        p = (logits - torch.logsumexp(logits, dim=1, keepdim=True)).exp_()  # [T, n, S]
         if grad_out1 is not None:
-            # token-major copy of G (S/n of a block pass), so both bmms read dense matrices
-            g_t = grad_out1.reshape(s, tokens, dim).to(dtype).transpose(0, 1).contiguous()
-            # d p_lj = <G_l, b_j>; the softmax's backward subtracts sum_j p_lj d p_lj (formed
-            # from d p itself, so a single block gets exactly zero logit gradient)
-            d_logit = torch.bmm(b_t, g_t.transpose(1, 2))  # [T, n, S]
+            # the softmax's backward subtracts sum_j p_lj d p_lj (formed from d p itself, so
+            # a single block gets exactly zero logit gradient)
+            d_logit = prod[..., :s]
             d_logit -= (p * d_logit).sum(dim=1, keepdim=True)
             if grad_lse is not None:
                 d_logit += grad_lse.reshape(s, tokens).to(dtype).t().unsqueeze(1)
         else:
-            d_logit = grad_lse.reshape(s, tokens).to(dtype).t().unsqueeze(1).expand_as(p)
+            d_logit = grad_lse.reshape(s, tokens).to(dtype).t().unsqueeze(1)
         d_logit = d_logit * p  # [T, n, S]
+        d_raw = d_logit * r_t  # d <b_j, u_l> = r_j dlogit_lj
         need_b, need_q, need_g = ctx.needs_input_grad[:3]
         grad_b = grad_q = grad_g = None
-        # block-major [n * T, S] with rstd folded in: d(b_j . u_l) = r_j * dlogit_lj
-        d_raw = d_logit.transpose(0, 1).reshape(n * tokens, s)
-        coef = (d_raw * logits.transpose(0, 1).reshape(n * tokens, s)).sum(dim=-1)
-        d_raw.mul_(rstd.unsqueeze(1))
         if need_b:
             # d b_j = sum_l p_lj G_l + r_j * sum_l dlogit_lj u_l - r_j^2 / D * c_j * b_j,
             # c_j = sum_l dlogit_lj * logit_lj
-            coef.mul_(rstd.square()).mul_(-1.0 / dim)
-            gb = torch.mm(d_raw, u)
-            gb.addcmul_(flat, coef.unsqueeze(1))
-            gb = gb.view(n, tokens, dim)
-            if g_t is not None:  # + sum_l p_lj G_l, batched over tokens
-                gb += torch.bmm(p, g_t).transpose(0, 1)
-            grad_b = gb.to(blocks.dtype).view(blocks.shape)
+            coef = (d_logit * logits).sum(dim=-1, keepdim=True).mul_(r_t.square()).mul_(-1 / dim)
+            mix = d_raw if grad_out1 is None else torch.cat((p, d_raw), dim=2)
+            gb = torch.bmm(mix, z).addcmul_(b_t, coef)  # [T, n, D]
+            grad_b = gb.transpose(0, 1).to(blocks.dtype, memory_format=torch.contiguous_format)
+            grad_b = grad_b.view(blocks.shape)
         if need_q or need_g:
-            du = torch.mm(d_raw.t(), flat)  # [S, D]
+            flat = b.reshape(n * tokens, dim)
+            du = torch.mm(d_raw.transpose(0, 1).reshape(n * tokens, s).t(), flat)  # [S, D]
             if need_q:
                 grad_q = (du * norm_weights.to(dtype)).to(queries.dtype)
             if need_g:
