@@ -16,6 +16,9 @@ softmax over all sources. Math per token, blocks ``b_j``, queries ``w_l``, gains
     LSE  = logaddexp(lse, logsumexp_k le_k)
     out  = exp(lse - LSE) * out1 + sum_k exp(le_k - LSE) * e_k
 
+With one extra source (the Block partial) the merge is a two-way softmax: ``out = lerp(out1, e,
+a)``, ``a = sigmoid(le - lse)`` (``_Merge1``), a handful of ops per sublayer.
+
 Both are ``torch.autograd.Function``s with hand-derived backwards that save only their inputs
 and per-token statistics (``[n, T]`` / ``[S, T]`` floats): no normalised keys, no
 upcast copies, no ``[S, n, T, D]`` products. All arithmetic is float32 (float64 stays float64);
