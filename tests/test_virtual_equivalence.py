@@ -131,3 +131,11 @@ def test_named_micro_batches_get_the_keys_of_counted_ones():
     ds.end()
     assert [named[i] for i in range(3)] == counted
     assert counted[0] == (7, 3, 4)
+
+
+@pytest.mark.slow
+def test_interleaved_beside_tensor_parallel(references, small_dataset, tmp_path):
+    """tp = 2 inside each of pp = 2 ranks: every tensor rank sends the whole payload."""
+    extra = {**SCHEDULES["interleaved"], "parallel.tp": 2}
+    args = overrides(small_dataset, "block", str(tmp_path / "run"), pp=2, **extra)
+    check(train_case(tmp_path, "case", args, nproc=4), references["block"], "interleaved tp=2")

@@ -138,7 +138,10 @@ class PipelineEngine:
             "gradient_accumulation_steps": cfg.grad_accum_steps,
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
-            "pipeline": {"use_reentrant": False},
+            # virtual stages send whole payloads from every tensor rank (their receives are
+            # allocated from the plan's full shapes), not DeepSpeed's tensor-parallel slices
+            "pipeline": {"use_reentrant": False}
+            | ({"pipe_partitioned": False, "grad_partitioned": False} if self.virtual else {}),
             # bf16 engine / ZeRO-1 (DeepSpeed clips), or fp32 ZeRO-0 (ClippedAdamW clips)
             **precision.ds_config_section(cfg, self.runtime),
         }
