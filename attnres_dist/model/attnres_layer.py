@@ -14,7 +14,7 @@ Recompute (activation checkpointing, ``model/recompute.py``: dropout masks repla
 lives here too:
 * ``attnres``: the mix and the PreNorm after it are recomputed in backward, so nothing of them
   is stored beyond the sources, which stay alive anyway. Two-phase: the region is phase 2 and
-  the norm; phase 1 saves only its inputs, its outputs and ``[n, tokens]`` statistics, so its
+  the norm; phase 1 saves only its inputs, its outputs and ``[n, tokens, S]`` statistics, so its
   outputs (one float32 ``[s, b, h]`` per sublayer, the regions' inputs) are kept instead;
 * ``full``: groups of ``interval`` consecutive local layers are recomputed whole. The first
   layer of a group runs the group under one checkpoint; the others see the state's

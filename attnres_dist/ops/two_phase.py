@@ -20,8 +20,9 @@ With one extra source (the Block partial) the merge is a two-way softmax: ``out 
 a)``, ``a = sigmoid(le - lse)`` (``_Merge1``), a handful of ops per sublayer.
 
 Both are ``torch.autograd.Function``s with hand-derived backwards that save only their inputs
-and per-token statistics (``[n, T]`` / ``[S, T]`` floats): no normalised keys, no
-upcast copies, no ``[S, n, T, D]`` products. All arithmetic is float32 (float64 stays float64);
+and per-token statistics (phase 1: the key statistics ``[n, T]`` and the logits ``[n, T, S]``,
+``S / D`` of the blocks' size; phase 2: ``[T]`` floats): no normalised keys, no upcast
+copies, no ``[S, n, T, D]`` products. All arithmetic is float32 (float64 stays float64);
 ``phase2`` casts to the sources' dtype once, at the end.
 """
 
@@ -74,66 +75,59 @@ class _Phase1(torch.autograd.Function):
         flat = b.reshape(n * tokens, dim)
         rstd = _key_stats(flat, eps)  # [n * T]
         logits = torch.mm(flat, u.t()).mul_(rstd.unsqueeze(1)).view(n, tokens, s)
-        lse = torch.logsumexp(logits, dim=0)  # [T, S]
-        p = logits.sub_(lse).exp_()  # [n, T, S], in place: the logits are not kept
+        p = torch.softmax(logits, dim=0)  # [n, T, S]
+        # lse = max - log(max p): the largest weight is 1 / sum exp(logit - max), so this is
+        # logsumexp in three small ops where torch's logsumexp takes nine
+        lse = torch.amax(logits, dim=0).sub_(torch.amax(p, dim=0).log_())  # [T, S]
         # out1[t] = p[:, t, :]^T @ b[:, t, :]: one batched matmul over tokens, written
         # token-major; out1 is returned as its [S, T, D] view (no transposing copy).
         out1 = torch.bmm(p.permute(1, 2, 0), b.transpose(0, 1)).transpose(0, 1)  # [S, T, D]
         lse = lse.t()  # [S, T] view
-        ctx.save_for_backward(blocks, queries, norm_weights, rstd)
-        ctx.eps = eps
+        # the logits ([n, T, S], S / D of the blocks' size) are kept: the backward then needs
+        # one batched product with the blocks instead of two, and no log-sum-exp
+        ctx.save_for_backward(blocks, queries, norm_weights, rstd, logits)
         ctx.set_materialize_grads(False)
         return out1.view(s, *batch, dim), lse.view(s, *batch)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out1, grad_lse):
-        blocks, queries, norm_weights, rstd = ctx.saved_tensors
+        blocks, queries, norm_weights, rstd, logits = ctx.saved_tensors
         n, dim = blocks.shape[0], blocks.shape[-1]
         dtype = compute_dtype(blocks.dtype)
         b = blocks.reshape(n, -1, dim).to(dtype)
         tokens, s = b.shape[1], queries.shape[0]
         u = norm_weights.to(dtype) * queries.to(dtype)
-        b_t = b.transpose(0, 1)  # [T, n, D] view: the per-token matrices
-        # Z(t) = [G(t); u], [T, 2S, D]: ONE batched product with the blocks gives d p_lj =
-        # <G_l, b_j> and the raw logits <b_j, u_l> (the blocks are read once), and ONE more
-        # gives sum_l p_lj G_l + r_j sum_l dlogit_lj u_l
-        u_t = u.unsqueeze(0).expand(tokens, s, dim)
+        p = torch.softmax(logits, dim=0)  # [n, T, S], as in the forward
+        r = rstd.view(n, tokens, 1)
+        # d logit_lj = p_lj (d p_lj - sum_j' p_lj' d p_lj' + d lse_l), d p_lj = <G_l, b_j>:
+        # per token, [n, D] x [D, S]; token-major, then read as [n, T, S] views
         if grad_out1 is None:
-            z = u_t
+            d_logit = grad_lse.reshape(s, tokens).to(dtype).t().unsqueeze(0) * p
         else:
-            g_t = grad_out1.reshape(s, tokens, dim).to(dtype).transpose(0, 1)
-            z = torch.cat((g_t, u_t), dim=1)
-        r_t = rstd.view(n, tokens).t().unsqueeze(2)  # [T, n, 1]
-        prod = torch.bmm(b_t, z.transpose(1, 2))  # [T, n, S or 2S]
-        logits = prod[..., -s:].mul_(r_t)
-        # normalised over the recomputed logits, not with the forward's lse: this product rounds
-        # differently from the forward's, and p must sum to one (exactly 1 for one block)
-        p = (logits - torch.logsumexp(logits, dim=1, keepdim=True)).exp_()  # [T, n, S]
-        if grad_out1 is not None:
-            # the softmax's backward subtracts sum_j p_lj d p_lj (formed from d p itself, so
-            # a single block gets exactly zero logit gradient)
-            d_logit = prod[..., :s]
-            d_logit -= (p * d_logit).sum(dim=1, keepdim=True)
+            g_t = grad_out1.reshape(s, tokens, dim).to(dtype).transpose(0, 1)  # [T, S, D]
+            d_p = torch.bmm(b.transpose(0, 1), g_t.transpose(1, 2)).transpose(0, 1)  # [n, T, S]
+            d_logit = d_p - (p * d_p).sum(dim=0, keepdim=True)
             if grad_lse is not None:
-                d_logit += grad_lse.reshape(s, tokens).to(dtype).t().unsqueeze(1)
-        else:
-            d_logit = grad_lse.reshape(s, tokens).to(dtype).t().unsqueeze(1)
-        d_logit = d_logit * p  # [T, n, S]
-        d_raw = d_logit * r_t  # d <b_j, u_l> = r_j dlogit_lj
+                d_logit += grad_lse.reshape(s, tokens).to(dtype).t().unsqueeze(0)
+            d_logit.mul_(p)
+        d_raw = d_logit * r  # d <b_j, u_l> = r_j dlogit_lj, [n, T, S]
         need_b, need_q, need_g = ctx.needs_input_grad[:3]
         grad_b = grad_q = grad_g = None
         if need_b:
-            # d b_j = sum_l p_lj G_l + r_j * sum_l dlogit_lj u_l - r_j^2 / D * c_j * b_j,
+            # d b_j = sum_l p_lj G_l + r_j sum_l dlogit_lj u_l - r_j^2 / D * c_j * b_j,
             # c_j = sum_l dlogit_lj * logit_lj
-            coef = (d_logit * logits).sum(dim=-1, keepdim=True).mul_(r_t.square()).mul_(-1 / dim)
-            mix = d_raw if grad_out1 is None else torch.cat((p, d_raw), dim=2)
-            gb = torch.bmm(mix, z).addcmul_(b_t, coef)  # [T, n, D]
-            grad_b = gb.transpose(0, 1).to(blocks.dtype, memory_format=torch.contiguous_format)
-            grad_b = grad_b.view(blocks.shape)
+            coef = (d_logit * logits).sum(dim=-1, keepdim=True).mul_(r.square()).mul_(-1 / dim)
+            if grad_out1 is None:
+                gb = b * coef
+            else:
+                # the token-major product, made block-major by the add that follows it
+                mix = torch.bmm(p.transpose(0, 1), g_t).transpose(0, 1)  # [n, T, D] view
+                gb = torch.addcmul(mix, b, coef, out=torch.empty_like(b))
+            gb.view(n * tokens, dim).addmm_(d_raw.reshape(n * tokens, s), u)
+            grad_b = gb.to(blocks.dtype).view(blocks.shape)
         if need_q or need_g:
-            flat = b.reshape(n * tokens, dim)
-            du = torch.mm(d_raw.transpose(0, 1).reshape(n * tokens, s).t(), flat)  # [S, D]
+            du = torch.mm(d_raw.reshape(n * tokens, s).t(), b.reshape(n * tokens, dim))  # [S, D]
             if need_q:
                 grad_q = (du * norm_weights.to(dtype)).to(queries.dtype)
             if need_g:
