@@ -2,7 +2,10 @@
 
 AdamW from ``torch.optim`` (DeepSpeed's config-declared Adam JIT-builds a fused op and Megatron's
 optimizer is CUDA-bound; DESIGN.md section 4), with weight decay on matrices only: norms' gains
-and the depth-attention queries are vectors and are not decayed. Linear warm-up then cosine
+and the depth-attention queries are vectors and are not decayed. torch's AdamW runs its fused
+kernel (``fused=True``, CPU and CUDA): one call updates every parameter of a group, where the
+default per-parameter loop pays a dozen small ops per tensor (a model with depth attention has
+two small vectors per sublayer). Linear warm-up then cosine
 decay to ``min_lr``, as a ``LambdaLR`` that both engines step once per optimizer step.
 """
 
@@ -36,6 +39,14 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
+def fused_adamw_supported(model: torch.nn.Module) -> bool:
+    """Whether torch's fused AdamW kernel takes every trainable parameter of ``model``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return bool(params) and all(
+        p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params
+    )
+
+
 def build_optimizer(
     model: torch.nn.Module,
     optim: OptimConfig,
@@ -48,6 +59,8 @@ def build_optimizer(
     ``optimizer_class``: an AdamW-compatible class (torch's AdamW; the pipeline engine passes
     the global-norm-clipping one around the runtime's choice, with its ``extra`` arguments).
     """
+    if issubclass(optimizer_class, torch.optim.AdamW):
+        extra.setdefault("fused", fused_adamw_supported(model))
     optimizer = optimizer_class(
         param_groups(model, optim.weight_decay),
         lr=optim.lr,

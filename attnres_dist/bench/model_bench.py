@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from attnres_dist.bench.launch_job import REPO
+from attnres_dist.optim import fused_adamw_supported, param_groups
 
 CONFIG = REPO / "configs" / "tiny.yaml"
 VOCAB = 257  # the byte tokenizer's
@@ -73,7 +74,10 @@ class Case:
         self.model = model
         self.window = window
         self.describe = describe
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+        # the trainer's optimizer (attnres_dist.optim): AdamW, fused kernel, no decay on vectors
+        self.optimizer = torch.optim.AdamW(
+            param_groups(model, 0.1), lr=1e-4, fused=fused_adamw_supported(model)
+        )
         self.model.train()
 
     def step(self) -> float:
