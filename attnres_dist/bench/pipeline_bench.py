@@ -28,16 +28,13 @@ Usage: ``python -m attnres_dist.bench.pipeline_bench --out DIR``
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
-import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
-from attnres_dist.bench.launch_job import REPO, torchrun_job
+from attnres_dist.bench import launch_job as job
 
 VARIANTS = {  # name: (residual mode, payload, path)
     "block_packed": ("block", "packed", "new"),
@@ -50,7 +47,7 @@ VARIANTS = {  # name: (residual mode, payload, path)
 
 def run(
     out_dir: str | Path,
-    config: str | Path = REPO / "configs" / "tiny.yaml",
+    config: str | Path = job.TINY_CONFIG,
     overrides: tuple[str, ...] = (),
     reps: int = 15,
     warmup: int = 2,
@@ -58,16 +55,10 @@ def run(
     new_impl: str | None = None,
 ) -> dict:
     """Launch the benchmark job, write ``out_dir/pipeline.json`` and return its content."""
-    out_path = Path(out_dir)
-    out_path.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        raw_path = Path(tmp) / "raw.json"
-        args = ["--worker", str(raw_path), "--config", str(config), "--reps", str(reps)]
-        args += ["--warmup", str(warmup), "--run-dir", tmp, "--old-impl", old_impl]
-        args += [] if new_impl is None else ["--new-impl", new_impl]
-        args += list(overrides)
-        torchrun_job("attnres_dist.bench.pipeline_bench", args, nproc=2)
-        raw = json.loads(raw_path.read_text())
+    args = ["--old-impl", old_impl, *([] if new_impl is None else ["--new-impl", new_impl])]
+    raw = job.bench_job(
+        "attnres_dist.bench.pipeline_bench", out_dir, config, reps, warmup, [*args, *overrides]
+    )
     med = {name: v["step_s"]["median"] for name, v in raw["variants"].items()}
     result = raw | {
         "ratios": {
@@ -88,7 +79,7 @@ def run(
             row["equal"] for v in raw["variants"].values() for row in v["wire"]
         ),
     }
-    (out_path / "pipeline.json").write_text(json.dumps(result, indent=2) + "\n")
+    job.write_result(out_dir, "pipeline.json", result)
     return result
 
 
@@ -140,31 +131,12 @@ def _payload(kind: str):
         engine_mod.AttnResPipelineModule = original
 
 
-def _quantiles(samples: list[float]) -> dict:
-    ordered = sorted(samples)
-    p90 = ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
-    return {"median": statistics.median(samples), "p90": p90, "samples": samples}
-
-
-def slowest_rank_seconds(seconds: float) -> float:
-    """The largest of every rank's ``seconds`` (collective): a step's time is its slowest rank's."""
-    import torch
-    import torch.distributed as dist
-
-    from attnres_dist.parallel.comm_device import comm_device
-
-    elapsed = torch.tensor(seconds, dtype=torch.float64, device=comm_device())
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
-
-
 def _worker(args) -> None:
     import torch
     import torch.distributed as dist
 
     from attnres_dist.bench.model_bench import path_overrides
     from attnres_dist.bench.peak_memory import peak_bytes
-    from attnres_dist.config import load_config
     from attnres_dist.pipeline.contract import boundary_specs_for_config
     from attnres_dist.profile.schedule import ScheduleTimer
     from attnres_dist.profile.wire import WireTap
@@ -172,19 +144,14 @@ def _worker(args) -> None:
 
     trainers, specs = {}, {}
     for name, (mode, payload, path) in VARIANTS.items():
-        cfg = load_config(
-            args.config,
-            [
-                *args.overrides,
-                *path_overrides(path, args.old_impl, args.new_impl),
-                f"model.attnres.mode={mode}",
-                "parallel.pp=2",
-                "parallel.dp=1",
-                "parallel.tp=1",
-                "output.tensorboard=false",
-                "train.progress=false",
-                f"output.run_dir={args.run_dir}/{name}",
-            ],
+        cfg = job.variant_config(
+            args,
+            name,
+            *path_overrides(path, args.old_impl, args.new_impl),
+            f"model.attnres.mode={mode}",
+            "parallel.pp=2",
+            "parallel.dp=1",
+            "parallel.tp=1",
         )
         with _payload(payload):
             trainers[name] = Trainer(cfg)
@@ -205,22 +172,18 @@ def _worker(args) -> None:
             n: stack.enter_context(ScheduleTimer(t.engine.engine, rank))
             for n, t in trainers.items()
         }
-        for rep in range(args.warmup + args.reps):
-            order = names[rep % len(names) :] + names[: rep % len(names)]
-            for name in order:
-                micro = trainers[name].micro_batches(rep)  # the same data for every variant
-                tap.begin_step(counter)
-                step_variant[counter] = name
-                timers[name].enabled = rep >= args.warmup
-                dist.barrier()
-                start = time.perf_counter()
-                timers[name].run_step(
-                    counter, lambda n=name, m=micro: trainers[n].engine.train_step(m)
-                )
-                elapsed = slowest_rank_seconds(time.perf_counter() - start)
-                counter += 1
-                if rep >= args.warmup:
-                    times[name].append(elapsed)
+        for rep, name in job.rotating_steps(names, args.warmup, args.reps):
+            micro = trainers[name].micro_batches(rep)  # the same data for every variant
+            tap.begin_step(counter)
+            step_variant[counter] = name
+            timers[name].enabled = rep >= args.warmup
+            dist.barrier()
+            start = time.perf_counter()
+            timers[name].run_step(counter, lambda n=name, m=micro: trainers[n].engine.train_step(m))
+            elapsed = job.slowest_rank_seconds(time.perf_counter() - start)
+            counter += 1
+            if rep >= args.warmup:
+                times[name].append(elapsed)
     memory = {}
     for name in names:  # untimed: the profiler's allocation records slow the step down
         micro = trainers[name].micro_batches(args.warmup + args.reps)
@@ -231,8 +194,8 @@ def _worker(args) -> None:
         memory[name] = {"stage": rank, "peak_bytes": peak, "method": method}
     transfers = [t.to_dict() | {"boundary": t.boundary} for t in tap.transfers]
     compute = {n: _compute_ms(timer.events) | {"memory": memory[n]} for n, timer in timers.items()}
-    gathered = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object((transfers, compute), gathered, dst=0)
+    gathered = job.gather_to_first((transfers, compute))
+    out = None
     if rank == 0:
         every = [t for part, _ in gathered for t in part]
         out = {
@@ -250,16 +213,13 @@ def _worker(args) -> None:
             out["variants"][name] = {
                 "model": trainers[name].builder.plan.describe(),
                 "payload": VARIANTS[name][1],
-                "step_s": _quantiles(times[name]),
+                "step_s": job.quantiles(times[name]),
                 "wire": _wire_rows(specs[name], mine),
                 "stages": [c[name] for _, c in gathered],  # per rank = per stage (pp = 2)
                 "memory": [c[name]["memory"] for _, c in gathered],
                 "path": VARIANTS[name][2],
             }
-        Path(args.worker).write_text(json.dumps(out, indent=2))
-    from attnres_dist.parallel.process_groups import shutdown_distributed
-
-    shutdown_distributed()
+    job.finish_worker(args, out)
 
 
 def _compute_ms(events) -> dict:
@@ -295,31 +255,17 @@ def _wire_rows(specs, transfers: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="bench_results")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
-    parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser = job.parser(__doc__, reps=15)
     parser.add_argument("--old-impl", default="lean")
     parser.add_argument("--new-impl", default=None)
-    parser.add_argument("overrides", nargs="*", help="dotted config overrides")
-    args = parser.parse_args(argv)
-    if args.worker:
-        _worker(args)
-        return
-    result = run(
-        args.out,
-        args.config,
-        tuple(args.overrides),
-        args.reps,
-        args.warmup,
-        args.old_impl,
-        args.new_impl,
+    job.main(
+        parser,
+        argv,
+        _worker,
+        run,
+        format_table,
+        own_options=("old_impl", "new_impl"),
     )
-    print(format_table(result))
-    print(json.dumps(result["ratios"], indent=2))
 
 
 if __name__ == "__main__":

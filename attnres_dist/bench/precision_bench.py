@@ -22,14 +22,10 @@ Usage: ``python -m attnres_dist.bench.precision_bench --out DIR [--reps N]``
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import tempfile
 import time
 from pathlib import Path
 
-from attnres_dist.bench.launch_job import REPO, torchrun_job
+from attnres_dist.bench import launch_job as job
 
 VARIANTS = {
     "fp32": ("runtime.dtype=fp32", "parallel.zero_stage=0"),
@@ -40,20 +36,15 @@ VARIANTS = {
 
 def run(
     out_dir: str | Path,
-    config: str | Path = REPO / "configs" / "tiny.yaml",
+    config: str | Path = job.TINY_CONFIG,
     overrides: tuple[str, ...] = (),
     reps: int = 10,
     warmup: int = 2,
 ) -> dict:
     """Launch the benchmark job, write ``out_dir/precision.json`` and return its content."""
-    out_path = Path(out_dir)
-    out_path.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        raw_path = Path(tmp) / "raw.json"
-        args = ["--worker", str(raw_path), "--config", str(config), "--reps", str(reps)]
-        args += ["--warmup", str(warmup), "--run-dir", tmp, *overrides]
-        torchrun_job("attnres_dist.bench.precision_bench", args, nproc=2)
-        raw = json.loads(raw_path.read_text())
+    raw = job.bench_job(
+        "attnres_dist.bench.precision_bench", out_dir, config, reps, warmup, overrides
+    )
     v = raw["variants"]
     step = {name: x["step_s"]["median"] for name, x in v.items()}
     state = {name: max(x["state_bytes_per_rank"]) for name, x in v.items()}
@@ -65,7 +56,7 @@ def run(
             "step_time_zero1_over_fp32": step["zero1"] / step["fp32"],
         }
     }
-    (out_path / "precision.json").write_text(json.dumps(result, indent=2) + "\n")
+    job.write_result(out_dir, "precision.json", result)
     return result
 
 
@@ -121,36 +112,16 @@ def state_bytes(engine) -> int:
     return sum(seen.values())
 
 
-def _quantiles(samples: list[float]) -> dict:
-    ordered = sorted(samples)
-    p90 = ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
-    return {"median": statistics.median(samples), "p90": p90, "samples": samples}
-
-
 def _worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from attnres_dist.config import load_config
-    from attnres_dist.parallel.comm_device import comm_device
     from attnres_dist.train.trainer import Trainer
 
     trainers = {}
     for name, extra in VARIANTS.items():
-        cfg = load_config(
-            args.config,
-            [
-                *args.overrides,
-                "parallel.pp=1",
-                "parallel.dp=2",
-                "parallel.tp=1",
-                *extra,
-                "output.tensorboard=false",
-                "train.progress=false",
-                f"output.run_dir={args.run_dir}/{name}",
-            ],
-        )
-        trainers[name] = Trainer(cfg)
+        layout = ("parallel.pp=1", "parallel.dp=2", "parallel.tp=1")
+        trainers[name] = Trainer(job.variant_config(args, name, *layout, *extra))
     names = list(VARIANTS)
     times = {name: [] for name in names}
     # model + optimizer state at its largest: at the optimizer step, gradients all accumulated
@@ -163,27 +134,22 @@ def _worker(args) -> None:
         trainers[name].engine.optimizer.register_step_pre_hook(record)
     peaks = {name: 0 for name in names}
     cuda = torch.cuda.is_available()
-    for rep in range(args.warmup + args.reps):
-        order = names[rep % len(names) :] + names[: rep % len(names)]
-        for name in order:
-            micro = trainers[name].micro_batches(rep)  # the same data for every variant
-            dist.barrier()
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            start = time.perf_counter()
-            trainers[name].engine.train_step(micro)
-            if cuda:
-                torch.cuda.synchronize()
-                peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated())
-            elapsed = time.perf_counter() - start
-            elapsed = torch.tensor(elapsed, dtype=torch.float64, device=comm_device())
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if rep >= args.warmup:
-                times[name].append(float(elapsed))
-    mine = {name: (held[name], peaks[name]) for name in names}
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
+    for rep, name in job.rotating_steps(names, args.warmup, args.reps):
+        micro = trainers[name].micro_batches(rep)  # the same data for every variant
+        dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        trainers[name].engine.train_step(micro)
+        if cuda:
+            torch.cuda.synchronize()
+            peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated())
+        elapsed = job.slowest_rank_seconds(time.perf_counter() - start)
+        if rep >= args.warmup:
+            times[name].append(elapsed)
+    gathered = job.gather_to_first({name: (held[name], peaks[name]) for name in names})
+    out = None
     if dist.get_rank() == 0:
         out = {
             "variants": {},
@@ -204,34 +170,17 @@ def _worker(args) -> None:
                 "parameters_per_rank": sum(p.numel() for p in params),
                 "parameter_tensors_per_rank": len(params),
                 "state_bytes_per_rank": [part[name][0] for part in gathered],
-                "step_s": _quantiles(times[name]),
+                "step_s": job.quantiles(times[name]),
             }
             if cuda:
                 out["variants"][name]["cuda_peak_bytes_per_rank"] = [
                     part[name][1] for part in gathered
                 ]
-        Path(args.worker).write_text(json.dumps(out, indent=2))
-    from attnres_dist.parallel.process_groups import shutdown_distributed
-
-    shutdown_distributed()
+    job.finish_worker(args, out)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="bench_results")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("overrides", nargs="*", help="dotted config overrides")
-    args = parser.parse_args(argv)
-    if args.worker:
-        _worker(args)
-        return
-    result = run(args.out, args.config, tuple(args.overrides), args.reps, args.warmup)
-    print(format_table(result))
-    print(json.dumps(result["ratios"], indent=2))
+    job.main(job.parser(__doc__, reps=10), argv, _worker, run, format_table)
 
 
 if __name__ == "__main__":

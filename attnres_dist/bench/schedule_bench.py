@@ -20,15 +20,11 @@ Usage: ``python -m attnres_dist.bench.schedule_bench --out DIR [--reps N] [overr
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import statistics
-import tempfile
 import time
 from pathlib import Path
 
-from attnres_dist.bench.launch_job import REPO, torchrun_job
+from attnres_dist.bench import launch_job as job
 
 SCHEDULES = {  # name: overrides
     "1f1b": ("parallel.schedule=1f1b",),
@@ -39,27 +35,22 @@ SCHEDULES = {  # name: overrides
 
 def run(
     out_dir: str | Path,
-    config: str | Path = REPO / "configs" / "tiny.yaml",
+    config: str | Path = job.TINY_CONFIG,
     overrides: tuple[str, ...] = (),
     reps: int = 8,
     warmup: int = 2,
 ) -> dict:
     """Launch the job, write ``out_dir/schedules.json`` and return its content."""
-    out_path = Path(out_dir)
-    out_path.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        raw_path = Path(tmp) / "raw.json"
-        args = ["--worker", str(raw_path), "--config", str(config), "--reps", str(reps)]
-        args += ["--warmup", str(warmup), "--run-dir", tmp, *overrides]
-        torchrun_job("attnres_dist.bench.schedule_bench", args, nproc=2)
-        raw = json.loads(raw_path.read_text())
+    raw = job.bench_job(
+        "attnres_dist.bench.schedule_bench", out_dir, config, reps, warmup, overrides
+    )
     base = raw["schedules"]["1f1b"]["step_s"]["median"]
     raw["ratios"] = {
         f"step_time_{name}_over_1f1b": v["step_s"]["median"] / base
         for name, v in raw["schedules"].items()
         if name != "1f1b"
     }
-    (out_path / "schedules.json").write_text(json.dumps(raw, indent=2) + "\n")
+    job.write_result(out_dir, "schedules.json", raw)
     return raw
 
 
@@ -85,37 +76,17 @@ def format_table(result: dict) -> str:
     return "\n".join(rows)
 
 
-def _quantiles(samples: list[float]) -> dict:
-    ordered = sorted(samples)
-    p90 = ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
-    return {"median": statistics.median(samples), "p90": p90, "samples": samples}
-
-
 def _worker(args) -> None:
     import torch.distributed as dist
 
-    from attnres_dist.bench.pipeline_bench import slowest_rank_seconds
-    from attnres_dist.config import load_config
     from attnres_dist.profile.schedule import ScheduleTimer
     from attnres_dist.profile.virtual import bubble_section, sends_cached
     from attnres_dist.train.trainer import Trainer
 
     trainers = {}
     for name, extra in SCHEDULES.items():
-        cfg = load_config(
-            args.config,
-            [
-                *args.overrides,
-                *extra,
-                "parallel.pp=2",
-                "parallel.dp=1",
-                "parallel.tp=1",
-                "output.tensorboard=false",
-                "train.progress=false",
-                f"output.run_dir={args.run_dir}/{name}",
-            ],
-        )
-        trainers[name] = Trainer(cfg)
+        layout = ("parallel.pp=2", "parallel.dp=1", "parallel.tp=1")
+        trainers[name] = Trainer(job.variant_config(args, name, *extra, *layout))
     rank = dist.get_rank()
     names = list(SCHEDULES)
     times = {name: [] for name in names}
@@ -124,20 +95,18 @@ def _worker(args) -> None:
             n: stack.enter_context(ScheduleTimer(t.engine.engine, rank))
             for n, t in trainers.items()
         }
-        for rep in range(args.warmup + args.reps):
-            order = names[rep % len(names) :] + names[: rep % len(names)]
-            for name in order:
-                micro = trainers[name].micro_batches(rep)  # the same data for every schedule
-                timers[name].enabled = rep >= args.warmup
-                dist.barrier()
-                start = time.perf_counter()
-                timers[name].run_step(rep, lambda n=name, m=micro: trainers[n].engine.train_step(m))
-                elapsed = slowest_rank_seconds(time.perf_counter() - start)
-                if rep >= args.warmup:
-                    times[name].append(elapsed)
+        for rep, name in job.rotating_steps(names, args.warmup, args.reps):
+            micro = trainers[name].micro_batches(rep)  # the same data for every schedule
+            timers[name].enabled = rep >= args.warmup
+            dist.barrier()
+            start = time.perf_counter()
+            timers[name].run_step(rep, lambda n=name, m=micro: trainers[n].engine.train_step(m))
+            elapsed = job.slowest_rank_seconds(time.perf_counter() - start)
+            if rep >= args.warmup:
+                times[name].append(elapsed)
     events = {n: [e.to_dict() for e in timer.events] for n, timer in timers.items()}
-    gathered = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(events, gathered, dst=0)
+    gathered = job.gather_to_first(events)
+    out = None
     if rank == 0:
         out = {
             "config": {"path": str(args.config), "overrides": args.overrides, "reps": args.reps},
@@ -149,32 +118,15 @@ def _worker(args) -> None:
             cached = name != "1f1b" and sends_cached(t.engine.engine, t.cfg)
             out["schedules"][name] = {
                 "micro_batches": t.cfg.grad_accum_steps,
-                "step_s": _quantiles(times[name]),
+                "step_s": job.quantiles(times[name]),
                 "bubble": bubble_section(t.cfg, ranks, t.dims),
                 "payload": "1f1b contract" if name == "1f1b" else ("cached" if cached else "naive"),
             }
-        Path(args.worker).write_text(json.dumps(out, indent=2))
-    from attnres_dist.parallel.process_groups import shutdown_distributed
-
-    shutdown_distributed()
+    job.finish_worker(args, out)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="bench_results")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
-    parser.add_argument("--reps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("overrides", nargs="*", help="dotted config overrides")
-    args = parser.parse_args(argv)
-    if args.worker:
-        _worker(args)
-        return
-    result = run(args.out, args.config, tuple(args.overrides), args.reps, args.warmup)
-    print(format_table(result))
-    print(json.dumps(result["ratios"], indent=2))
+    job.main(job.parser(__doc__, reps=8), argv, _worker, run, format_table)
 
 
 if __name__ == "__main__":
