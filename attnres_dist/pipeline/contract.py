@@ -16,6 +16,7 @@ both directions (the gradient sent back has the payload's shape).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -34,16 +35,26 @@ def pack(state: DepthState) -> torch.Tensor:
     return state.payload()
 
 
+def check_payload(payload, expected: int, message: Callable[[object], str]) -> None:
+    """Raise ``PayloadError(message(got))`` unless ``payload`` is one ``[expected, s, b, h]``
+    tensor; ``got`` is its shape, or its type when it is not a tensor."""
+    if not torch.is_tensor(payload) or payload.dim() != 4 or payload.shape[0] != expected:
+        got = tuple(payload.shape) if torch.is_tensor(payload) else type(payload).__name__
+        raise PayloadError(message(got))
+
+
 def unpack(payload: torch.Tensor, plan: BlockPlan, layers_done: int, boundary: str) -> DepthState:
     """One ``[k, s, b, h]`` tensor -> the DepthState after ``layers_done`` layers."""
     completed, has_partial = plan.state_after(2 * layers_done)
     expected = completed + int(has_partial)
-    if not torch.is_tensor(payload) or payload.dim() != 4 or payload.shape[0] != expected:
-        got = tuple(payload.shape) if torch.is_tensor(payload) else type(payload).__name__
-        raise PayloadError(
-            f"{boundary}: received payload {got}, but the block plan ({plan.describe()}) puts "
-            f"{expected} tensors [k={expected}, s, b, h] at the cut after {layers_done} layers"
-        )
+    check_payload(
+        payload,
+        expected,
+        lambda got: (
+            f"{boundary}: received payload {got}, but the block plan ({plan.describe()}) "
+            f"puts {expected} tensors [k={expected}, s, b, h] at the cut after {layers_done} layers"
+        ),
+    )
     return DepthState.from_payload(payload, completed, has_partial, layers_done)
 
 

@@ -41,7 +41,7 @@ from collections import defaultdict
 import torch
 
 from attnres_dist.model.depth_state import DepthState, _alias
-from attnres_dist.pipeline.contract import PayloadError, pack
+from attnres_dist.pipeline.contract import check_payload, pack
 from attnres_dist.pipeline.stage_cache_plan import CachePlan
 
 
@@ -123,13 +123,15 @@ class CachedBoundary:
         reads = self._reads[chunk]
         fresh = completed - len(reads)
         expected = fresh + int(has_partial)
-        if not torch.is_tensor(payload) or payload.dim() != 4 or payload.shape[0] != expected:
-            got = tuple(payload.shape) if torch.is_tensor(payload) else type(payload).__name__
-            raise PayloadError(
+        check_payload(
+            payload,
+            expected,
+            lambda got: (
                 f"{self._boundary(chunk)}: received payload {got}, but the cache plan "
                 f"({self.block_plan.describe()}) sends {expected} tensors [k={expected}, s, b, h]"
                 f" there ({completed} completed blocks, {len(reads)} of them cached)"
-            )
+            ),
+        )
         grad = torch.is_grad_enabled()
         cached = []
         for block in reads:
