@@ -110,6 +110,25 @@ def layer_specs(builder: ModelBuilder) -> list:
     ]
 
 
+def pipeline_module_args(builder: ModelBuilder, topology) -> dict:
+    """``PipelineModule``'s arguments for ``builder``'s layer list, cut where the subclass's
+    ``_partition_layers`` says."""
+    return dict(
+        layers=layer_specs(builder),
+        topology=topology,
+        loss_fn=_loss_fn,
+        partition_method="fixed",
+        activation_checkpoint_interval=0,  # recompute is done by the layers themselves
+    )
+
+
+def configure_local_layers(funcs, plan, recompute: str, recompute_interval: int) -> None:
+    """Recompute and two-phase segments for the transformer layers among one stage's parts."""
+    layers = [f.block for f in funcs if isinstance(f, LayerPipe)]
+    configure_recompute(layers, recompute, recompute_interval)
+    configure_segments(layers, plan)
+
+
 class AttnResPipelineModule(PipelineModule):
     """PipelineModule with precomputed ``parts`` and the activation contract at stage edges."""
 
@@ -128,16 +147,8 @@ class AttnResPipelineModule(PipelineModule):
         self._fixed_parts = list(parts)
         self.plan = builder.plan
         self.documents = builder.documents
-        super().__init__(
-            layers=layer_specs(builder),
-            topology=topology,
-            loss_fn=_loss_fn,
-            partition_method="fixed",
-            activation_checkpoint_interval=0,  # recompute is done by the layers themselves
-        )
-        local_layers = [f.block for f in self.forward_funcs if isinstance(f, LayerPipe)]
-        configure_recompute(local_layers, recompute, recompute_interval)
-        configure_segments(local_layers, self.plan)
+        super().__init__(**pipeline_module_args(builder, topology))
+        configure_local_layers(self.forward_funcs, self.plan, recompute, recompute_interval)
 
     def _partition_layers(self, method="fixed"):
         if len(self._fixed_parts) != self.num_stages + 1:

@@ -22,11 +22,9 @@ import torch
 from deepspeed.pipe import PipelineModule
 
 from attnres_dist.model import dropout_streams
-from attnres_dist.model.attnres_layer import configure_recompute
-from attnres_dist.model.depth_mixing import configure_segments
 from attnres_dist.model.depth_state import DepthState
 from attnres_dist.model.gpt import ModelBuilder
-from attnres_dist.pipeline.module import LayerPipe, _loss_fn, layer_specs
+from attnres_dist.pipeline.module import configure_local_layers, pipeline_module_args
 from attnres_dist.pipeline.virtual_layout import VirtualLayout
 
 
@@ -49,17 +47,9 @@ class VirtualPipelineModule(PipelineModule):
         self.plan = builder.plan
         self.documents = builder.documents
         self.micro_batch = 0
-        super().__init__(
-            layers=layer_specs(builder),
-            topology=topology,
-            loss_fn=_loss_fn,
-            partition_method="fixed",
-            activation_checkpoint_interval=0,  # recompute is done by the layers themselves
-        )
+        super().__init__(**pipeline_module_args(builder, topology))
         for funcs in self.phase_funcs:
-            layers = [f.block for f in funcs if isinstance(f, LayerPipe)]
-            configure_recompute(layers, recompute, recompute_interval)
-            configure_segments(layers, self.plan)
+            configure_local_layers(funcs, self.plan, recompute, recompute_interval)
 
     # -- layout ----------------------------------------------------------------------------
 
