@@ -12,6 +12,9 @@ import pytest
 
 from attnres_dist.parallel.launch_env import free_port
 
+# the shared comparison helpers assert too: give their failures pytest's detailed messages
+pytest.register_assert_rewrite("tests.equivalence_helpers")
+
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 # Set in this process by in-process runs (init_distributed exports them); a child must not

@@ -30,7 +30,7 @@ from attnres_dist.checkpoint import store
 from attnres_dist.checkpoint.state import read_tensors
 from attnres_dist.cli import main
 from tests.conftest import REPO, VENV_BIN, run_job
-from tests.test_pipeline_equivalence import overrides
+from tests.equivalence_helpers import overrides
 
 TOL = 1e-5
 STEPS, EVERY, RESUME_AT = 5, 2, 2

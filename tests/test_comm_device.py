@@ -28,7 +28,7 @@ import torch.distributed as dist
 from attnres_dist.parallel import comm_device
 from attnres_dist.parallel.comm_check import TENSOR_CALLS, CommDeviceCheck, CommDeviceError
 from tests.conftest import REPO, run_job
-from tests.test_pipeline_equivalence import overrides
+from tests.equivalence_helpers import overrides
 
 # the calls each layout must make (and have checked); object collectives carry no tensor
 EXPECTED = {

@@ -64,7 +64,7 @@ def test_nccl_takes_the_tensors_made_on_the_run_device():
 
 @pytest.mark.cuda
 def test_one_gpu_trains_like_the_cpu(small_dataset, tmp_path):
-    from tests.test_pipeline_equivalence import overrides
+    from tests.equivalence_helpers import overrides
 
     losses = {}
     for where, env in (("gpu", {}), ("cpu", {"CUDA_VISIBLE_DEVICES": ""})):

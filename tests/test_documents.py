@@ -17,7 +17,7 @@ import torch
 
 from attnres_dist.model.document_masks import DocumentOptions, ltor_masks
 from attnres_dist.model.embedding_head import lm_loss
-from tests.test_pipeline_equivalence import assert_matches, overrides, train_case
+from tests.equivalence_helpers import assert_matches, overrides, train_case
 
 EOD = 9
 

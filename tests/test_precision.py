@@ -20,7 +20,7 @@ import torch
 from attnres_dist.checkpoint import store
 from attnres_dist.checkpoint.state import read_tensors
 from tests.conftest import run_job
-from tests.test_pipeline_equivalence import assert_matches, overrides, train_case
+from tests.equivalence_helpers import assert_matches, overrides, train_case
 
 # Measured 4e-4 (3 steps, lr 1e-2, tiny model): bf16 rounds activations and weights to 8
 # mantissa bits (~4e-3 relative); the loss is a mean over 64 tokens, so its error stays below.

@@ -21,7 +21,7 @@ from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
 from tests.conftest import run_job
-from tests.test_pipeline_equivalence import overrides
+from tests.equivalence_helpers import overrides
 
 VOCAB = 257
 DROPOUT = {"model.hidden_dropout": 0.1, "model.attention_dropout": 0.1}

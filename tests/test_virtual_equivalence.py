@@ -6,17 +6,26 @@ the single-process reference, with gradient clipping active; per-step losses, th
 validation loss (the forward-only schedules) and every parameter must match within TOL. With
 block size 3 and one or two layers (2 or 4 sublayers) per chunk, block boundaries fall inside
 chunks, so partial blocks cross the transitions. The grid and its machinery are those of
-``test_pipeline_equivalence.py``. The cross-stage cache is on (the default) except where a
-case turns it off; the two-rank grid also records the wire and checks that every payload is the
-cache plan's (``p2p_record.py``): cached payloads are smaller, the bytes exactly predicted.
+``test_pipeline_equivalence.py`` (``equivalence_helpers.py``). The cross-stage cache is on (the
+default) except where a case turns it off; the two-rank grid also records the wire and checks
+that every payload is the cache plan's (``p2p_record.py``): cached payloads are smaller, the
+bytes exactly predicted.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from tests.equivalence_helpers import (
+    MODES,
+    TOL,
+    assert_matches,
+    overrides,
+    reference_runs,
+    single_process_reference,
+    train_case,
+)
 from tests.p2p_record import check_wire, plan_bytes, run_recorded
-from tests.test_pipeline_equivalence import MODES, TOL, assert_matches, overrides, train_case
 
 SCHEDULES = {
     "dualpipev": {"parallel.schedule": "dualpipev"},
@@ -26,11 +35,7 @@ SCHEDULES = {
 
 @pytest.fixture(scope="module")
 def references(small_dataset, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("reference")
-    return {
-        mode: train_case(tmp, mode, overrides(small_dataset, mode, str(tmp / mode)), 1)
-        for mode in MODES
-    }
+    return reference_runs(small_dataset, tmp_path_factory.mktemp("reference"))
 
 
 def check(result: dict, reference: dict, label: str) -> None:
@@ -75,9 +80,7 @@ def test_three_chunks_per_rank_with_dropout_and_recompute(small_dataset, tmp_pat
     """V = 3 over 6 layers (one-layer chunks), dropout on (masks keyed by the micro-batch, not
     by the order the chunks run in) and every layer recomputed in its backward."""
     extra = {"model.num_layers": 6, "model.hidden_dropout": 0.1, "model.attention_dropout": 0.1}
-    reference = train_case(
-        tmp_path, "ref", overrides(small_dataset, "block", str(tmp_path / "r"), **extra), 1
-    )
+    reference = single_process_reference(small_dataset, tmp_path, **extra)
     args = overrides(
         small_dataset,
         "block",
