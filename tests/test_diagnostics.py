@@ -23,7 +23,6 @@ from attnres_dist.diagnostics.collector import FILENAME, Diagnostics
 from attnres_dist.diagnostics.grads import sublayer_of
 from attnres_dist.diagnostics.reading import reading
 from attnres_dist.errors import ConfigError
-from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
 from attnres_dist.model.sequence_context import sequence_context
 from attnres_dist.ops import depth_attention_reference
 from attnres_dist.parallel.dims import ParallelDims
@@ -31,8 +30,8 @@ from attnres_dist.parallel.process_groups import init_distributed
 from attnres_dist.train.local_engine import LocalEngine
 from attnres_dist.train.trainer import Trainer
 from tests.conftest import run_job
-
-VOCAB = 257
+from tests.tiny_model import VOCAB, naive_sources, naive_sublayer, randomize_mixers
+from tests.tiny_model import build as tiny_model
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -41,19 +40,7 @@ def process_group():
 
 
 def build(mode="block", block_size=3, num_layers=3, seed=0, recompute="none"):
-    cfg = load_config(
-        None,
-        [
-            f"model.num_layers={num_layers}",
-            "model.hidden_size=32",
-            "model.num_attention_heads=4",
-            "model.seq_length=12",
-            f"model.attnres.mode={mode}",
-            f"model.attnres.block_size={block_size}",
-            f"parallel.recompute={recompute}",
-        ],
-    )
-    return AttnResGPT(ModelBuilder(cfg.model, VOCAB, seed=seed), recompute)
+    return tiny_model(mode, block_size, num_layers, seed, **{"parallel.recompute": recompute})
 
 
 def windows(count=2, batch=2, seed=0):
@@ -79,15 +66,6 @@ def twin(model, mode, block_size=3):
     other = build(mode, block_size)
     other.load_state_dict(model.state_dict())
     return other
-
-
-def randomize_mixers(model, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "mixer" in name:
-                scale, shift = (0.5, 0.0) if "query" in name else (0.2, 1.0)
-                p.copy_(torch.randn(p.shape, generator=g) * scale + shift)
 
 
 @pytest.mark.parametrize("mode, block_size", [("block", 3), ("full", 1)])
@@ -121,21 +99,12 @@ def naive_trace(model, toks):
             else:
                 size = plan.effective_block_size
                 done = (i - 1) // size
-                blocks = [v[0]] + [sum(v[1 + n * size : 1 + (n + 1) * size]) for n in range(done)]
-                partial = v[1 + done * size : i]
-                sources = blocks + ([sum(partial)] if partial else [])
+                sources = naive_sources(v, i, size)
                 mixer = layer.attn_mixer if attention else layer.mlp_mixer
                 x, w = depth_attention_reference(
                     mixer.query, sources, mixer.key_norm_weight, return_weights=True
                 )
-            if attention:
-                out, _ = m.self_attention(
-                    m.input_layernorm(x),
-                    attention_mask=ctx.attention_mask,
-                    rotary_pos_emb=ctx.rotary_pos_emb,
-                )
-            else:
-                out, _ = m.mlp(m.pre_mlp_layernorm(x))
+            out = naive_sublayer(m, ctx, x, attention)
             v.append(out)
             h = h + out
             state = h if plan.mode == "baseline" else sum(v[1 + done * size : i + 1])

@@ -11,14 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnres_dist.config import load_config
-from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
 from attnres_dist.model.sequence_context import sequence_context
 from attnres_dist.ops import depth_attention_reference
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
-
-VOCAB = 257
+from tests.tiny_model import VOCAB, build, naive_sources, naive_sublayer, randomize_mixers
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -26,36 +23,8 @@ def process_group():
     init_distributed(ParallelDims(), seed=0)
 
 
-def build(mode="block", block_size=2, num_layers=3, seed=0, **extra):
-    overrides = [
-        f"model.num_layers={num_layers}",
-        "model.hidden_size=32",
-        "model.num_attention_heads=4",
-        "model.seq_length=12",
-        f"model.attnres.mode={mode}",
-        f"model.attnres.block_size={block_size}",
-    ] + [f"{k}={v}" for k, v in extra.items()]
-    cfg = load_config(None, overrides)
-    return AttnResGPT(
-        ModelBuilder(cfg.model, VOCAB, seed=seed),
-        cfg.parallel.recompute,
-        cfg.parallel.recompute_interval,
-    )
-
-
 def tokens(batch=2, seq=12, seed=0):
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
-
-
-def randomize_mixers(model, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "mixer" in name:
-                p.copy_(
-                    torch.randn(p.shape, generator=g) * (0.5 if "query" in name else 0.2)
-                    + (0.0 if "query" in name else 1.0)
-                )
 
 
 def naive_hidden(model, toks):
@@ -70,20 +39,9 @@ def naive_hidden(model, toks):
         for sub in (0, 1):
             i = len(v)  # this sublayer's number (1-based)
             mixer = layer.attn_mixer if sub == 0 else layer.mlp_mixer
-            n_done = (i - 1) // size  # blocks completed before sublayer i
-            blocks = [v[0]] + [sum(v[1 + n * size : 1 + (n + 1) * size]) for n in range(n_done)]
-            partial = v[1 + n_done * size : i]
-            sources = blocks + ([sum(partial)] if partial else [])
+            sources = naive_sources(v, i, size)
             x = depth_attention_reference(mixer.query, sources, mixer.key_norm_weight)
-            if sub == 0:
-                out, _ = m.self_attention(
-                    m.input_layernorm(x),
-                    attention_mask=ctx.attention_mask,
-                    rotary_pos_emb=ctx.rotary_pos_emb,
-                )
-            else:
-                out, _ = m.mlp(m.pre_mlp_layernorm(x))
-            v.append(out)
+            v.append(naive_sublayer(m, ctx, x, attention=sub == 0))
     n_blocks = -(-L // size)
     finals = [v[0]] + [sum(v[1 + n * size : 1 + (n + 1) * size]) for n in range(n_blocks)]
     mixer = model.final.mixer
