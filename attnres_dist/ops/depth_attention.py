@@ -1,7 +1,8 @@
 """Depth attention: public entry point, input validation and the lean autograd function.
 
 This module owns ``depth_attention`` (the default implementation), the input
-validation shared by every implementation, and ``_LeanDepthAttention``, a
+validation shared by every implementation, ``one_pass_adapter`` (the public signature
+around a kernel that computes only the output), and ``_LeanDepthAttention``, a
 ``torch.autograd.Function`` with a hand-derived backward.
 
 Math, per token, with ``n`` sources ``s_j`` of width ``D``, pseudo-query ``w`` and
@@ -29,7 +30,8 @@ sources stays cache-sized on CPU and any upcast workspace stays bounded.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -248,3 +250,26 @@ def depth_attention(
     """
     validate_inputs(query, sources, norm_weight)
     return _LeanDepthAttention.apply(query, norm_weight, eps, return_weights, *sources)
+
+
+def one_pass_adapter(
+    kernel: Callable[[Tensor, Sequence[Tensor], Tensor, float], Tensor],
+) -> Callable[..., Tensor | tuple[Tensor, Tensor]]:
+    """``depth_attention``'s signature around ``kernel(query, sources, norm_weight, eps)``,
+    which computes the output only: the arguments are validated first, and a call with
+    ``return_weights=True`` (the diagnostics' path) is answered by the lean op."""
+
+    @functools.wraps(kernel)
+    def one_pass(
+        query: Tensor,
+        sources: Sequence[Tensor],
+        norm_weight: Tensor,
+        eps: float = 1e-6,
+        return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        validate_inputs(query, sources, norm_weight)
+        if return_weights:
+            return depth_attention(query, sources, norm_weight, eps=eps, return_weights=True)
+        return kernel(query, sources, norm_weight, eps)
+
+    return one_pass

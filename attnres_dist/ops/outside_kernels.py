@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from attnres_dist.ops.depth_attention import depth_attention, validate_inputs
+from attnres_dist.ops.depth_attention import one_pass_adapter
 
 
 def merge_sources(
@@ -39,17 +39,11 @@ def merge_sources(
     return out, z
 
 
+@one_pass_adapter
 def fla_one_pass(
-    query: Tensor,
-    sources: Sequence[Tensor],
-    norm_weight: Tensor,
-    eps: float = 1e-6,
-    return_weights: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+    query: Tensor, sources: Sequence[Tensor], norm_weight: Tensor, eps: float
+) -> Tensor:
     """One-pass depth attention on fla-core's ``fused_attnres``."""
-    validate_inputs(query, sources, norm_weight)
-    if return_weights:
-        return depth_attention(query, sources, norm_weight, eps=eps, return_weights=True)
     from fla.ops.attnres import fused_attnres
 
     # fused_attnres asserts 16-byte aligned sources (a store's row j is, for usual shapes).
@@ -106,17 +100,11 @@ def flash_attn_res_phase2(
     return merged.view(*batch, dim).to(extra.dtype)
 
 
+@one_pass_adapter
 def flash_attn_res_one_pass(
-    query: Tensor,
-    sources: Sequence[Tensor],
-    norm_weight: Tensor,
-    eps: float = 1e-6,
-    return_weights: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+    query: Tensor, sources: Sequence[Tensor], norm_weight: Tensor, eps: float
+) -> Tensor:
     """One-pass depth attention as flash-attn-res's phase 1 with one query."""
-    validate_inputs(query, sources, norm_weight)
-    if return_weights:
-        return depth_attention(query, sources, norm_weight, eps=eps, return_weights=True)
     out1, _ = flash_attn_res_phase1(
         torch.stack(tuple(sources)), query[None], norm_weight[None], eps
     )

@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from attnres_dist.ops import triton_kernels as K
-from attnres_dist.ops.depth_attention import depth_attention, validate_inputs
+from attnres_dist.ops.depth_attention import one_pass_adapter
 
 
 def _check_device(t: Tensor) -> None:
@@ -231,16 +231,8 @@ def phase2(
     return _Phase2.apply(out1, lse, extra, query, norm_weight, eps)
 
 
-def one_pass(
-    query: Tensor,
-    sources: Sequence[Tensor],
-    norm_weight: Tensor,
-    eps: float = 1e-6,
-    return_weights: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+@one_pass_adapter
+def one_pass(query: Tensor, sources: Sequence[Tensor], norm_weight: Tensor, eps: float) -> Tensor:
     """One-pass depth attention (the signature of ``depth_attention``) on the phase-1 kernel."""
-    validate_inputs(query, sources, norm_weight)
-    if return_weights:
-        return depth_attention(query, sources, norm_weight, eps=eps, return_weights=True)
     out1, _ = phase1(torch.stack(tuple(sources)), query[None], norm_weight[None], eps)
     return out1[0].to(sources[0].dtype)
