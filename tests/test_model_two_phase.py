@@ -13,11 +13,14 @@ from attnres_dist.bench.saved_bytes import SavedTensorCounter
 from attnres_dist.config import load_config
 from attnres_dist.model.depth_mixing import FULL_GROUP, configure_segments
 from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
+from attnres_dist.ops.cpu_two_phase import requirement as cpu_kernel_requirement
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
 from attnres_dist.pipeline.contract import pack, unpack
 
 VOCAB = 257
+# the two-phase implementations runnable here (the fused CPU kernels need a C compiler)
+FAST = ["twophase", *(["cpu_fused"] if cpu_kernel_requirement() is None else [])]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -75,17 +78,19 @@ def assert_same(a, b, tol=1e-5):
 CASES = [("block", 2, 3), ("block", 3, 3), ("block", 4, 3), ("block", 6, 3), ("full", 1, 3)]
 
 
+@pytest.mark.parametrize("impl", FAST)
 @pytest.mark.parametrize("mode, size, layers", [*CASES, ("full", 1, 6), ("block", 1, 5)])
-def test_two_phase_model_matches_one_pass(mode, size, layers):
+def test_two_phase_model_matches_one_pass(impl, mode, size, layers):
     ref = loss_and_grads(build("reference", mode, size, layers))
-    assert_same(loss_and_grads(build("twophase", mode, size, layers)), ref)
+    assert_same(loss_and_grads(build(impl, mode, size, layers)), ref)
 
 
+@pytest.mark.parametrize("impl", FAST)
 @pytest.mark.parametrize("recompute, interval", [("attnres", 1), ("full", 1), ("full", 2)])
 @pytest.mark.parametrize("mode, size", [("block", 3), ("full", 1)])
-def test_two_phase_recompute_matches_one_pass(recompute, interval, mode, size):
+def test_two_phase_recompute_matches_one_pass(impl, recompute, interval, mode, size):
     ref = loss_and_grads(build("reference", mode, size, 4))
-    assert_same(loss_and_grads(build("twophase", mode, size, 4, recompute, interval)), ref)
+    assert_same(loss_and_grads(build(impl, mode, size, 4, recompute, interval)), ref)
 
 
 def test_full_and_block_size_one_are_the_same_model():
@@ -95,10 +100,11 @@ def test_full_and_block_size_one_are_the_same_model():
     assert torch.equal(full(window()[:, :-1]), block(window()[:, :-1]))
 
 
+@pytest.mark.parametrize("impl", FAST)
 @pytest.mark.parametrize("mode, size, cut", [("block", 3, 1), ("block", 4, 2), ("full", 1, 2)])
-def test_stage_cut_inside_a_segment(mode, size, cut):
+def test_stage_cut_inside_a_segment(impl, mode, size, cut):
     """Two 'stages' in one process: each configures its own segments; pack/unpack between."""
-    model = build("twophase", mode, size, 4)
+    model = build(impl, mode, size, 4)
     first, second = list(model.layers[:cut]), list(model.layers[cut:])
     configure_segments(first, model.plan)
     configure_segments(second, model.plan)
@@ -142,10 +148,11 @@ def test_store_grows_in_place_and_payload_shares_it():
 def test_two_phase_saves_less_than_lean_for_backward():
     """The whole model's saved bytes: the store and phase 1 add no [S, n, tokens, D] tensors."""
     counts = {}
-    for impl in ("lean", "twophase"):
+    for impl in ("lean", *FAST):
         model = build(impl, "block", 2, 4)
         with SavedTensorCounter() as counter:
             logits = model(window()[:, :-1])
         counts[impl] = counter.total_bytes()
         del logits
-    assert counts["twophase"] <= 1.1 * counts["lean"], counts
+    for impl in FAST:
+        assert counts[impl] <= 1.1 * counts["lean"], counts

@@ -170,9 +170,11 @@ def test_phases_save_no_normalised_keys_or_products(impl):
 def test_auto_and_refusals(monkeypatch):
     from attnres_dist.errors import ConfigError
     from attnres_dist.ops import __dict__ as ops_ns
+    from attnres_dist.ops.cpu_two_phase import requirement
     from attnres_dist.runtime.select import select_depth_attention
 
-    assert select_depth_attention("auto", "cpu").value == "twophase"
+    expected = "cpu_fused" if requirement() is None else "twophase"
+    assert select_depth_attention("auto", "cpu").value == expected
     assert select_depth_attention("lean", "cpu").value == "lean"
     with pytest.raises(ConfigError, match=r"model\.attnres\.impl: got 'fast'; allowed: auto, "):
         select_depth_attention("fast", "cpu")
@@ -184,5 +186,12 @@ def test_auto_and_refusals(monkeypatch):
     with pytest.raises(ConfigError) as err:
         select_depth_attention("needs_x", "cpu")
     message = str(err.value)
-    assert "'needs_x' cannot run here: x missing; available here: auto, lean" in message
-    assert "needs_x" not in message.split("available here:")[1]
+    assert "'needs_x' cannot run here: x missing; available here: auto, " in message
+    assert "lean" in message and "needs_x" not in message.split("available here:")[1]
+    # without the C kernels (no compiler) auto takes the torch two-phase ops and says why
+    register_depth_attention(
+        DepthAttentionImpl("cpu_fused", depth_attention_reference, requirement=lambda: "no cc"),
+        overwrite=True,
+    )
+    choice = select_depth_attention("auto", "cpu")
+    assert choice.value == "twophase" and "cpu_fused: no cc" in choice.reason

@@ -10,10 +10,12 @@ store by online softmax). ``requirement()`` says why an implementation cannot ru
 when it can), so a config asking for it is refused with that reason.
 
 ``"lean"`` is the memory-lean one-pass autograd function, ``"reference"`` the plain-autograd
-ground truth and ``"twophase"`` the two-phase computation in torch ops
-(:mod:`attnres_dist.ops.two_phase`, CPU and GPU); ``"triton"``, ``"fla"`` and
-``"flash_attn_res"`` are the GPU kernels of :mod:`attnres_dist.ops.kernel_impls`; other
-implementations register themselves with :func:`register_depth_attention`.
+ground truth, ``"twophase"`` the two-phase computation in torch ops
+(:mod:`attnres_dist.ops.two_phase`, CPU and GPU) and ``"cpu_fused"`` the same computation
+through the project's fused C kernels (:mod:`attnres_dist.ops.cpu_two_phase`, CPU);
+``"triton"``, ``"fla"`` and ``"flash_attn_res"`` are the GPU kernels of
+:mod:`attnres_dist.ops.kernel_impls`; other implementations register themselves with
+:func:`register_depth_attention`.
 """
 
 from __future__ import annotations
@@ -116,3 +118,17 @@ from attnres_dist.ops.kernel_impls import KERNEL_IMPLS  # noqa: E402
 
 for _impl in KERNEL_IMPLS:
     register_depth_attention(_impl)
+
+# the fused CPU kernels (compiled on first use; requirement() says why they cannot be)
+from attnres_dist.ops import cpu_two_phase  # noqa: E402
+
+register_depth_attention(
+    DepthAttentionImpl(
+        "cpu_fused",
+        cpu_two_phase.one_pass,
+        cpu_two_phase.phase1,
+        cpu_two_phase.phase2,
+        devices=("cpu",),
+        requirement=cpu_two_phase.requirement,
+    )
+)

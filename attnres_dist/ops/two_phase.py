@@ -44,7 +44,7 @@ def _key_stats(flat: Tensor, eps: float) -> Tensor:
     return torch.linalg.vector_norm(flat, dim=-1).square_().mul_(1.0 / dim).add_(eps).rsqrt_()
 
 
-def _check_phase1(blocks: Tensor, queries: Tensor, norm_weights: Tensor) -> None:
+def check_phase1(blocks: Tensor, queries: Tensor, norm_weights: Tensor) -> None:
     if not isinstance(blocks, Tensor) or blocks.dim() < 2 or blocks.shape[0] < 1:
         got = tuple(blocks.shape) if isinstance(blocks, Tensor) else type(blocks).__name__
         raise ValueError(f"blocks must have shape [n >= 1, *batch, D], got {got}")
@@ -61,6 +61,16 @@ def _check_phase1(blocks: Tensor, queries: Tensor, norm_weights: Tensor) -> None
         raise ValueError(
             f"queries {tuple(queries.shape)} and norm_weights {tuple(norm_weights.shape)} differ"
         )
+
+
+def check_phase2(out1: Tensor, lse: Tensor, extra: Tensor) -> None:
+    if extra.dim() < 2 or extra.shape[0] < 1 or extra.shape[1:] != out1.shape:
+        raise ValueError(
+            f"extra must have shape [m >= 1, *batch, D] with [*batch, D] = {tuple(out1.shape)}, "
+            f"got {tuple(extra.shape)}"
+        )
+    if lse.shape != out1.shape[:-1]:
+        raise ValueError(f"lse must have shape {tuple(out1.shape[:-1])}, got {tuple(lse.shape)}")
 
 
 class _Phase1(torch.autograd.Function):
@@ -278,7 +288,7 @@ def phase1(
         (float64 for float64 blocks); ``out1_l`` is the softmax-weighted sum of the blocks
         under query ``l``, ``lse_l`` the log-sum-exp of its logits.
     """
-    _check_phase1(blocks, queries, norm_weights)
+    check_phase1(blocks, queries, norm_weights)
     return _Phase1.apply(blocks, queries, norm_weights, eps)
 
 
@@ -291,13 +301,7 @@ def phase2(
     :func:`phase1`'s results; ``query`` and ``norm_weight`` are ``[D]``. Returns the one-pass
     softmax mix over ``blocks ++ extra`` in ``extra``'s dtype.
     """
-    if extra.dim() < 2 or extra.shape[0] < 1 or extra.shape[1:] != out1.shape:
-        raise ValueError(
-            f"extra must have shape [m >= 1, *batch, D] with [*batch, D] = {tuple(out1.shape)}, "
-            f"got {tuple(extra.shape)}"
-        )
-    if lse.shape != out1.shape[:-1]:
-        raise ValueError(f"lse must have shape {tuple(out1.shape[:-1])}, got {tuple(lse.shape)}")
+    check_phase2(out1, lse, extra)
     if extra.shape[0] == 1:
         return _Merge1.apply(out1, lse, extra, query, norm_weight, eps)
     return _Phase2.apply(out1, lse, extra, query, norm_weight, eps)
@@ -309,15 +313,18 @@ def two_phase_depth_attention(
     norm_weight: Tensor,
     eps: float = 1e-6,
     return_weights: bool = False,
+    *,
+    phases=None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """One-pass depth attention built from the phases: phase 1 over all sources but the last,
-    phase 2 merging the last. The softmax weights (diagnostics) come from the lean op."""
+    phase 2 merging the last. ``phases``: the ``(phase1, phase2)`` functions to build it from
+    (default: this module's). The softmax weights (diagnostics) come from the lean op."""
     validate_inputs(query, sources, norm_weight)
     if return_weights:
         return depth_attention(query, sources, norm_weight, eps=eps, return_weights=True)
+    first, second = (phase1, phase2) if phases is None else phases
     head = sources[0].unsqueeze(0) if len(sources) <= 2 else torch.stack(sources[:-1])
+    out1, lse = first(head, query.unsqueeze(0), norm_weight.unsqueeze(0), eps)
     if len(sources) == 1:
-        out1, _ = phase1(head, query.unsqueeze(0), norm_weight.unsqueeze(0), eps)
         return out1[0].to(sources[0].dtype)
-    out1, lse = phase1(head, query.unsqueeze(0), norm_weight.unsqueeze(0), eps)
-    return phase2(out1[0], lse[0], sources[-1].unsqueeze(0), query, norm_weight, eps)
+    return second(out1[0], lse[0], sources[-1].unsqueeze(0), query, norm_weight, eps)

@@ -148,7 +148,10 @@ def select_depth_attention(requested: str, device: str) -> Choice:
                 return Choice("triton", "auto: CUDA device and the Triton two-phase kernel")
             reason = why_not.get("triton", "not registered")
             return Choice("twophase", f"auto: torch two-phase ops (triton: {reason})")
-        return Choice("twophase", "auto: on CPU the torch two-phase ops are the fastest")
+        reason = why_not.get("cpu_fused", "not registered")
+        if reason is None:
+            return Choice("cpu_fused", "auto: CPU and the fused C two-phase kernels built here")
+        return Choice("twophase", f"auto: torch two-phase ops (cpu_fused: {reason})")
     if requested not in why_not:
         allowed = ", ".join(["auto", *why_not])
         raise ConfigError(IMPL_FIELD, f"got {requested!r}; allowed: {allowed}")

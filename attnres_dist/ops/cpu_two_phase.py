@@ -1,0 +1,253 @@
+"""Two-phase depth attention on the CPU through the project's fused C kernels (``cpu``).
+
+Same math and signatures as :mod:`attnres_dist.ops.two_phase`; phase 1 and the one-source
+merge of phase 2 (the Block partial) run as one C loop per token (``csrc/two_phase_cpu.c``),
+forward and backward, where the torch ops read every block about ten times and dispatch ~30
+small ops per pass. Sources are computed in float32 (bfloat16 / float16 ones are upcast as in
+the torch ops); float64 inputs, tensors off the CPU, and Full AttnRes's merges of several
+sources take the torch-ops path.
+
+The kernel library is compiled on first use with the system C compiler (``$CC`` or ``cc``,
+``-O2 -march=native -fopenmp``) into ``$ATTNRES_DIST_KERNEL_CACHE`` (default
+``~/.cache/attnres_dist/kernels``), keyed by the source, the compiler and the CPU, and loaded
+with ctypes; half a second on a laptop core. Its OpenMP calls resolve to the libgomp torch has
+loaded (same soname), so the kernels share torch's threads; they use ``torch.get_num_threads()``.
+:func:`requirement` says why the library cannot be built or loaded here (None when it can).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from attnres_dist.ops import two_phase
+
+SOURCE = Path(__file__).with_name("csrc") / "two_phase_cpu.c"
+FLAGS = ("-O2", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
+_F, _I, _L, _P = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+_SIGNATURES = {
+    "phase1_forward": (_P, _P, _I, _L, _I, _I, _F, _P, _P, _I),
+    "phase1_backward": (_P, _P, _P, _P, _P, _I, _L, _I, _I, _F, _P, _P, _I),
+    "merge1_forward": (_P, _P, _P, _P, _L, _I, _F, _P, _P, _P, _P, _I),
+    "merge1_backward": (_P, _P, _P, _P, _P, _P, _P, _L, _I, _P, _P, _P, _P, _I),
+}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("ATTNRES_DIST_KERNEL_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attnres_dist/kernels"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build() -> Path:
+    """The compiled library, built now unless this source, compiler and CPU were built before."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (set CC or install cc)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), cc, version, *FLAGS, _cpu_model()]).encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / f"two_phase_cpu-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # built beside the target and renamed into place: processes building at once never load
+    # a half-written library
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["(no output)"])[0]
+            raise RuntimeError(f"{cc} failed: {first}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> tuple[ctypes.CDLL | None, str | None]:
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, RuntimeError) as exc:
+        return None, str(exc).strip().splitlines()[0]
+    for name, args in _SIGNATURES.items():
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = None
+    return lib, None
+
+
+def requirement() -> str | None:
+    """Why the fused CPU kernels cannot run here (None when they can)."""
+    return _library()[1]
+
+
+def _ptr(t: Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def _runs_here(*tensors: Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype != torch.float64 for t in tensors)
+
+
+def _f32(t: Tensor, shape) -> Tensor:
+    return t.reshape(shape).to(torch.float32).contiguous()
+
+
+class _Phase1(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, blocks, queries, norm_weights, eps):
+        lib = _library()[0]
+        n, dim, s = blocks.shape[0], blocks.shape[-1], queries.shape[0]
+        batch = blocks.shape[1:-1]
+        b = _f32(blocks, (n, -1, dim))
+        tokens = b.shape[1]
+        u = (norm_weights.float() * queries.float()).contiguous()
+        out1, lse = b.new_empty(s, tokens, dim), b.new_empty(s, tokens)
+        lib.phase1_forward(
+            _ptr(b), _ptr(u), n, tokens, dim, s, eps, _ptr(out1), _ptr(lse),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        ctx.save_for_backward(blocks, queries, norm_weights, lse)
+        ctx.eps = eps
+        ctx.set_materialize_grads(False)
+        return out1.view(s, *batch, dim), lse.view(s, *batch)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out1, grad_lse):
+        blocks, queries, norm_weights, lse = ctx.saved_tensors
+        if grad_out1 is None and grad_lse is None:
+            return None, None, None, None
+        lib = _library()[0]
+        n, dim, s = blocks.shape[0], blocks.shape[-1], queries.shape[0]
+        b = _f32(blocks, (n, -1, dim))
+        tokens = b.shape[1]
+        u = (norm_weights.float() * queries.float()).contiguous()
+        g = None if grad_out1 is None else _f32(grad_out1, (s, tokens, dim))
+        gl = None if grad_lse is None else _f32(grad_lse, (s, tokens))
+        need_b, need_q, need_g = ctx.needs_input_grad[:3]
+        gb = torch.empty_like(b) if need_b else None
+        threads = torch.get_num_threads()
+        du_part = b.new_zeros(threads, s, dim)
+        lib.phase1_backward(
+            _ptr(b), _ptr(u), _ptr(lse), _ptr(g), _ptr(gl), n, tokens, dim, s, ctx.eps,
+            _ptr(gb), _ptr(du_part), threads,
+        )  # fmt: skip
+        du = du_part.sum(0)
+        grad_b = None if gb is None else gb.to(blocks.dtype).view(blocks.shape)
+        grad_q = (du * norm_weights.float()).to(queries.dtype) if need_q else None
+        grad_g = (du * queries.float()).to(norm_weights.dtype) if need_g else None
+        return grad_b, grad_q, grad_g, None
+
+
+class _Merge1(torch.autograd.Function):
+    """Phase 2 with one extra source: ``lerp(out1, e, sigmoid(le - lse))``; saves ``[T]``
+    floats (the weight, the logit and the key statistic of ``e``) beyond its inputs."""
+
+    @staticmethod
+    def forward(ctx, out1, lse, extra, query, norm_weight, eps):
+        lib = _library()[0]
+        dim = extra.shape[-1]
+        e = _f32(extra, (-1, dim))
+        tokens = e.shape[0]
+        o1, l1 = _f32(out1, e.shape), _f32(lse, (tokens,))
+        u = (norm_weight.float() * query.float()).contiguous()
+        out = torch.empty_like(e)
+        a, le, r = (e.new_empty(tokens) for _ in range(3))
+        lib.merge1_forward(
+            _ptr(o1), _ptr(l1), _ptr(e), _ptr(u), tokens, dim, eps, _ptr(out), _ptr(a),
+            _ptr(le), _ptr(r), torch.get_num_threads(),
+        )  # fmt: skip
+        ctx.save_for_backward(out1, extra, query, norm_weight, a, le, r)
+        ctx.lse_dtype = lse.dtype
+        ctx.set_materialize_grads(False)
+        return out.to(extra.dtype).view(extra.shape[1:])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        out1, extra, query, norm_weight, a, le, r = ctx.saved_tensors
+        if grad_out is None:
+            return None, None, None, None, None, None
+        lib = _library()[0]
+        dim = extra.shape[-1]
+        e = _f32(extra, (-1, dim))
+        tokens = e.shape[0]
+        o1, g = _f32(out1, e.shape), _f32(grad_out, e.shape)
+        u = (norm_weight.float() * query.float()).contiguous()
+        need = ctx.needs_input_grad
+        go1 = torch.empty_like(e) if need[0] else None
+        ge = torch.empty_like(e) if need[2] else None
+        glse = e.new_empty(tokens)
+        threads = torch.get_num_threads()
+        du_part = e.new_zeros(threads, dim)
+        lib.merge1_backward(
+            _ptr(o1), _ptr(e), _ptr(u), _ptr(a), _ptr(le), _ptr(r), _ptr(g), tokens, dim,
+            _ptr(go1), _ptr(glse), _ptr(ge), _ptr(du_part), threads,
+        )  # fmt: skip
+        du = du_part.sum(0)
+        grad_o1 = None if go1 is None else go1.to(out1.dtype).view(out1.shape)
+        grad_l1 = glse.to(ctx.lse_dtype).view(out1.shape[:-1]) if need[1] else None
+        grad_e = None if ge is None else ge.to(extra.dtype).view(extra.shape)
+        grad_q = (du * norm_weight.float()).to(query.dtype) if need[3] else None
+        grad_g = (du * query.float()).to(norm_weight.dtype) if need[4] else None
+        return grad_o1, grad_l1, grad_e, grad_q, grad_g, None
+
+
+def phase1(
+    blocks: Tensor, queries: Tensor, norm_weights: Tensor, eps: float = 1e-6
+) -> tuple[Tensor, Tensor]:
+    """:func:`attnres_dist.ops.two_phase.phase1` through the fused kernel."""
+    two_phase.check_phase1(blocks, queries, norm_weights)
+    if not _runs_here(blocks, queries, norm_weights):
+        return two_phase.phase1(blocks, queries, norm_weights, eps)
+    return _Phase1.apply(blocks, queries, norm_weights, eps)
+
+
+def phase2(
+    out1: Tensor, lse: Tensor, extra: Tensor, query: Tensor, norm_weight: Tensor, eps: float = 1e-6
+) -> Tensor:
+    """:func:`attnres_dist.ops.two_phase.phase2`; one extra source runs the fused kernel."""
+    two_phase.check_phase2(out1, lse, extra)
+    if extra.shape[0] != 1 or not _runs_here(out1, lse, extra, query, norm_weight):
+        return two_phase.phase2(out1, lse, extra, query, norm_weight, eps)
+    return _Merge1.apply(out1, lse, extra, query, norm_weight, eps)
+
+
+def one_pass(query, sources, norm_weight, eps: float = 1e-6, return_weights: bool = False):
+    """One-pass depth attention from these phases (phase 1 over all but the last source)."""
+    return two_phase.two_phase_depth_attention(
+        query, sources, norm_weight, eps, return_weights, phases=(phase1, phase2)
+    )
