@@ -1,11 +1,12 @@
-"""Two-phase depth attention on the CPU through the project's fused C kernels (``cpu``).
+"""Two-phase depth attention on the CPU through the project's fused C kernels (``cpu_fused``).
 
-Same math and signatures as :mod:`attnres_dist.ops.two_phase`; phase 1 and the one-source
-merge of phase 2 (the Block partial) run as one C loop per token (``csrc/two_phase_cpu.c``),
-forward and backward, where the torch ops read every block about ten times and dispatch ~30
-small ops per pass. Sources are computed in float32 (bfloat16 / float16 ones are upcast as in
-the torch ops); float64 inputs, tensors off the CPU, and Full AttnRes's merges of several
-sources take the torch-ops path.
+Same math and signatures as :mod:`attnres_dist.ops.two_phase`; phase 1 and phase 2 run as one
+C loop per token (``csrc/two_phase_cpu.c``), forward and backward, where the torch ops read
+every block about ten times and dispatch ~30 small ops per pass. Sources are computed in
+float32 (bfloat16 / float16 ones are upcast as in the torch ops); float64 inputs and tensors
+off the CPU take the torch-ops path. Phase 2 merges one extra source (the Block partial) by a
+two-way softmax and several (Full AttnRes's group outputs) by the general online-softmax
+merge, both fused.
 
 The kernel library is compiled on first use with the system C compiler (``$CC`` or ``cc``,
 ``-O2 -march=native -fopenmp``) into ``$ATTNRES_DIST_KERNEL_CACHE`` (default
@@ -41,6 +42,8 @@ _SIGNATURES = {
     "phase1_backward": (_P, _P, _P, _P, _P, _I, _L, _I, _I, _F, _P, _P, _I),
     "merge1_forward": (_P, _P, _P, _P, _L, _I, _F, _P, _P, _P, _P, _I),
     "merge1_backward": (_P, _P, _P, _P, _P, _P, _P, _L, _I, _P, _P, _P, _P, _I),
+    "merge_forward": (_P, _P, _P, _P, _I, _L, _I, _F, _P, _P, _P, _P, _I),
+    "merge_backward": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _L, _I, _P, _P, _P, _P, _I),
 }
 
 
@@ -226,6 +229,60 @@ class _Merge1(torch.autograd.Function):
         return grad_o1, grad_l1, grad_e, grad_q, grad_g, None
 
 
+class _Merge(torch.autograd.Function):
+    """Phase 2 with ``m >= 2`` extra sources (Full AttnRes: the group's earlier outputs);
+    saves the extras' logits and key statistics (``[m, T]``) and the total log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, out1, lse, extra, query, norm_weight, eps):
+        lib = _library()[0]
+        m, dim = extra.shape[0], extra.shape[-1]
+        e = _f32(extra, (m, -1, dim))
+        tokens = e.shape[1]
+        o1, l1 = _f32(out1, (tokens, dim)), _f32(lse, (tokens,))
+        u = (norm_weight.float() * query.float()).contiguous()
+        out = o1.new_empty(tokens, dim)
+        le, r, total = e.new_empty(m, tokens), e.new_empty(m, tokens), e.new_empty(tokens)
+        lib.merge_forward(
+            _ptr(o1), _ptr(l1), _ptr(e), _ptr(u), m, tokens, dim, eps, _ptr(out), _ptr(le),
+            _ptr(r), _ptr(total), torch.get_num_threads(),
+        )  # fmt: skip
+        ctx.save_for_backward(out1, lse, extra, query, norm_weight, le, r, total)
+        ctx.set_materialize_grads(False)
+        return out.to(extra.dtype).view(extra.shape[1:])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        out1, lse, extra, query, norm_weight, le, r, total = ctx.saved_tensors
+        if grad_out is None:
+            return None, None, None, None, None, None
+        lib = _library()[0]
+        m, dim = extra.shape[0], extra.shape[-1]
+        e = _f32(extra, (m, -1, dim))
+        tokens = e.shape[1]
+        o1, l1 = _f32(out1, (tokens, dim)), _f32(lse, (tokens,))
+        g = _f32(grad_out, (tokens, dim))
+        u = (norm_weight.float() * query.float()).contiguous()
+        need = ctx.needs_input_grad
+        go1 = torch.empty_like(o1) if need[0] else None
+        ge = torch.empty_like(e) if need[2] else None
+        glse = o1.new_empty(tokens)
+        threads = torch.get_num_threads()
+        du_part = o1.new_zeros(threads, dim)
+        lib.merge_backward(
+            _ptr(o1), _ptr(l1), _ptr(e), _ptr(u), _ptr(le), _ptr(r), _ptr(total), _ptr(g), m,
+            tokens, dim, _ptr(go1), _ptr(glse), _ptr(ge), _ptr(du_part), threads,
+        )  # fmt: skip
+        du = du_part.sum(0)
+        grad_o1 = None if go1 is None else go1.to(out1.dtype).view(out1.shape)
+        grad_l1 = glse.to(lse.dtype).view(lse.shape) if need[1] else None
+        grad_e = None if ge is None else ge.to(extra.dtype).view(extra.shape)
+        grad_q = (du * norm_weight.float()).to(query.dtype) if need[3] else None
+        grad_g = (du * query.float()).to(norm_weight.dtype) if need[4] else None
+        return grad_o1, grad_l1, grad_e, grad_q, grad_g, None
+
+
 def phase1(
     blocks: Tensor, queries: Tensor, norm_weights: Tensor, eps: float = 1e-6
 ) -> tuple[Tensor, Tensor]:
@@ -239,11 +296,13 @@ def phase1(
 def phase2(
     out1: Tensor, lse: Tensor, extra: Tensor, query: Tensor, norm_weight: Tensor, eps: float = 1e-6
 ) -> Tensor:
-    """:func:`attnres_dist.ops.two_phase.phase2`; one extra source runs the fused kernel."""
+    """:func:`attnres_dist.ops.two_phase.phase2` through the fused kernels (one extra source:
+    the two-way softmax; several: the general merge)."""
     two_phase.check_phase2(out1, lse, extra)
-    if extra.shape[0] != 1 or not _runs_here(out1, lse, extra, query, norm_weight):
+    if not _runs_here(out1, lse, extra, query, norm_weight):
         return two_phase.phase2(out1, lse, extra, query, norm_weight, eps)
-    return _Merge1.apply(out1, lse, extra, query, norm_weight, eps)
+    merge = _Merge1 if extra.shape[0] == 1 else _Merge
+    return merge.apply(out1, lse, extra, query, norm_weight, eps)
 
 
 def one_pass(query, sources, norm_weight, eps: float = 1e-6, return_weights: bool = False):

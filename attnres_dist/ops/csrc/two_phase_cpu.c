@@ -1,5 +1,6 @@
-/* Two-phase depth attention (phase 1 and the one-source merge of phase 2), forward and
- * backward, fused per token for float32 on the CPU.
+/* Two-phase depth attention (phase 1; phase 2 for one extra source, the Block partial, and for
+ * several, Full AttnRes's group outputs), forward and backward, fused per token for float32 on
+ * the CPU.
  *
  * The torch-ops path (ops/two_phase.py) reads the blocks about ten times per phase-1 pass
  * (key statistics, logits, mix, and the backward's products and adds) and calls ~30 ops; here
@@ -8,8 +9,8 @@
  * threads (torch's own libgomp, already loaded under the same soname).
  *
  * Layouts (all contiguous): blocks [n, T, D], u = gains * queries [S, D], out1 / G [S, T, D],
- * lse / grad lse [S, T], partial e / out1 slice / grad [T, D]. Accumulation is float32, as in
- * the torch-ops path. Logits are recomputed in backward by the same function as in forward, so
+ * lse / grad lse [S, T], extra sources e [m, T, D], out1 slice / grad [T, D]. Accumulation
+ * is float32, as in the torch-ops path. Logits are recomputed in backward by the same function as in forward, so
  * they round identically and p = exp(logit - lse) sums to one (exactly 1 for one block).
  */
 #include <math.h>
@@ -190,6 +191,85 @@ void merge1_backward(const float *o1, const float *e, const float *u, const floa
             }
 #pragma omp simd
             for (int d = 0; d < D; ++d) du[d] += draw * et[d];
+        }
+    }
+}
+
+/* Phase 2 with m extra sources e_k ([m, T, D]): le_k = r_k <e_k, u>,
+ * total = logaddexp(lse, logsumexp_k le_k), out = exp(lse - total) o1 + sum_k exp(le_k - total) e_k.
+ * Saves r and le ([m, T]) and total ([T]). */
+void merge_forward(const float *o1, const float *lse, const float *e, const float *u, int m,
+                   int64_t T, int D, float eps, float *out, float *le_out, float *r_out,
+                   float *total_out, int threads) {
+    const int64_t rs = T * D;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+        float r[m], le[m];
+        const float *et = e + t * D, *ot = o1 + t * D;
+        token_logits(et, rs, m, D, u, 1, eps, r, le);
+        float mx = lse[t];
+        for (int k = 0; k < m; ++k) mx = fmaxf(mx, le[k]);
+        float s = expf(lse[t] - mx);
+        for (int k = 0; k < m; ++k) s += expf(le[k] - mx);
+        const float total = mx + logf(s);
+        const float a0 = expf(lse[t] - total);
+        float *y = out + t * D;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) y[d] = a0 * ot[d];
+        for (int k = 0; k < m; ++k) {
+            const float ak = expf(le[k] - total);
+            const float *x = et + k * rs;
+#pragma omp simd
+            for (int d = 0; d < D; ++d) y[d] += ak * x[d];
+            le_out[k * T + t] = le[k];
+            r_out[k * T + t] = r[k];
+        }
+        total_out[t] = total;
+    }
+}
+
+/* d a0 = <G, o1>, d a_k = <G, e_k>, c = a0 d a0 + sum_k a_k d a_k; d lse = a0 (d a0 - c),
+ * d le_k = a_k (d a_k - c); d o1 = a0 G; d e_k = a_k G + r_k d le_k u - r_k^2 / D d le_k le_k e_k;
+ * du = sum_{t, k} r_k d le_k e_k (per thread). */
+void merge_backward(const float *o1, const float *lse, const float *e, const float *u,
+                    const float *le_in, const float *r_in, const float *total_in, const float *G,
+                    int m, int64_t T, int D, float *go1, float *glse, float *ge, float *du_part,
+                    int threads) {
+    const int64_t rs = T * D;
+#pragma omp parallel num_threads(threads)
+    {
+        float *du = du_part + (int64_t)omp_get_thread_num() * D;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t) {
+            float a[m], dle[m];
+            const float *et = e + t * D, *ot = o1 + t * D, *g = G + t * D;
+            const float total = total_in[t];
+            const float a0 = expf(lse[t] - total), da0 = dot(g, ot, D);
+            float c = a0 * da0;
+            for (int k = 0; k < m; ++k) {
+                a[k] = expf(le_in[k * T + t] - total);
+                dle[k] = dot(g, et + k * rs, D);
+                c += a[k] * dle[k];
+            }
+            glse[t] = a0 * (da0 - c);
+            if (go1) {
+                float *y = go1 + t * D;
+#pragma omp simd
+                for (int d = 0; d < D; ++d) y[d] = a0 * g[d];
+            }
+            for (int k = 0; k < m; ++k) {
+                const float dl = a[k] * (dle[k] - c), r = r_in[k * T + t];
+                const float draw = dl * r, coef = -(r * r / (float)D) * dl * le_in[k * T + t];
+                const float *x = et + k * rs;
+                if (ge) {
+                    float *y = ge + k * rs + t * D;
+                    const float ak = a[k];
+#pragma omp simd
+                    for (int d = 0; d < D; ++d) y[d] = ak * g[d] + draw * u[d] + coef * x[d];
+                }
+#pragma omp simd
+                for (int d = 0; d < D; ++d) du[d] += draw * x[d];
+            }
         }
     }
 }
