@@ -195,3 +195,24 @@ def test_auto_and_refusals(monkeypatch):
     )
     choice = select_depth_attention("auto", "cpu")
     assert choice.value == "twophase" and "cpu_fused: no cc" in choice.reason
+
+
+def test_fused_cpu_kernels_refused_without_a_compiler(monkeypatch, tmp_path):
+    """No working compiler: cpu_fused says why, naming it; auto falls back to the torch ops."""
+    from attnres_dist.errors import ConfigError
+    from attnres_dist.ops import cpu_two_phase
+    from attnres_dist.runtime.select import select_depth_attention
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("ATTNRES_DIST_KERNEL_CACHE", str(tmp_path / "kernels"))
+    cpu_two_phase._library.cache_clear()
+    try:
+        reason = cpu_two_phase.requirement()
+        assert reason is not None and "no-such-cc" in reason and "set CC" in reason
+        with pytest.raises(ConfigError, match=r"model\.attnres\.impl: 'cpu_fused' cannot run"):
+            select_depth_attention("cpu_fused", "cpu")
+        assert select_depth_attention("auto", "cpu").value == "twophase"
+    finally:
+        monkeypatch.undo()
+        cpu_two_phase._library.cache_clear()
+    assert not (tmp_path / "kernels").exists() or not list((tmp_path / "kernels").iterdir())

@@ -73,7 +73,10 @@ def _build() -> Path:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (set CC or install cc)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    except OSError as exc:
+        raise RuntimeError(f"C compiler {cc!r} does not run ({exc.strerror}); set CC") from None
     key = hashlib.sha256(
         "\0".join([SOURCE.read_text(), cc, version, *FLAGS, _cpu_model()]).encode()
     ).hexdigest()[:16]
