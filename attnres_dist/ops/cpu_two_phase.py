@@ -128,7 +128,22 @@ def _runs_here(*tensors: Tensor) -> bool:
 
 
 def _f32(t: Tensor, shape) -> Tensor:
-    return t.reshape(shape).to(torch.float32).contiguous()
+    """``t`` as a contiguous float32 tensor of ``shape`` (no dispatch when it already is one)."""
+    t = t.reshape(shape)
+    if t.dtype != torch.float32:
+        t = t.float()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _u(query: Tensor, norm_weight: Tensor) -> Tensor:
+    """``norm_weight * query`` in float32 (a fresh contiguous tensor)."""
+    if query.dtype == norm_weight.dtype == torch.float32:
+        return norm_weight * query
+    return norm_weight.float() * query.float()
+
+
+def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 class _Phase1(torch.autograd.Function):
@@ -139,7 +154,7 @@ class _Phase1(torch.autograd.Function):
         batch = blocks.shape[1:-1]
         b = _f32(blocks, (n, -1, dim))
         tokens = b.shape[1]
-        u = (norm_weights.float() * queries.float()).contiguous()
+        u = _u(queries, norm_weights)
         out1, lse = b.new_empty(s, tokens, dim), b.new_empty(s, tokens)
         lib.phase1_forward(
             _ptr(b), _ptr(u), n, tokens, dim, s, eps, _ptr(out1), _ptr(lse),
@@ -160,7 +175,7 @@ class _Phase1(torch.autograd.Function):
         n, dim, s = blocks.shape[0], blocks.shape[-1], queries.shape[0]
         b = _f32(blocks, (n, -1, dim))
         tokens = b.shape[1]
-        u = (norm_weights.float() * queries.float()).contiguous()
+        u = _u(queries, norm_weights)
         g = None if grad_out1 is None else _f32(grad_out1, (s, tokens, dim))
         gl = None if grad_lse is None else _f32(grad_lse, (s, tokens))
         need_b, need_q, need_g = ctx.needs_input_grad[:3]
@@ -172,9 +187,9 @@ class _Phase1(torch.autograd.Function):
             _ptr(gb), _ptr(du_part), threads,
         )  # fmt: skip
         du = du_part.sum(0)
-        grad_b = None if gb is None else gb.to(blocks.dtype).view(blocks.shape)
-        grad_q = (du * norm_weights.float()).to(queries.dtype) if need_q else None
-        grad_g = (du * queries.float()).to(norm_weights.dtype) if need_g else None
+        grad_b = None if gb is None else _cast(gb, blocks.dtype).view(blocks.shape)
+        grad_q = _cast(du * norm_weights, queries.dtype) if need_q else None
+        grad_g = _cast(du * queries, norm_weights.dtype) if need_g else None
         return grad_b, grad_q, grad_g, None
 
 
@@ -189,9 +204,9 @@ class _Merge1(torch.autograd.Function):
         e = _f32(extra, (-1, dim))
         tokens = e.shape[0]
         o1, l1 = _f32(out1, e.shape), _f32(lse, (tokens,))
-        u = (norm_weight.float() * query.float()).contiguous()
+        u = _u(query, norm_weight)
         out = torch.empty_like(e)
-        a, le, r = (e.new_empty(tokens) for _ in range(3))
+        a, le, r = e.new_empty(3, tokens).unbind(0)
         lib.merge1_forward(
             _ptr(o1), _ptr(l1), _ptr(e), _ptr(u), tokens, dim, eps, _ptr(out), _ptr(a),
             _ptr(le), _ptr(r), torch.get_num_threads(),
@@ -199,7 +214,7 @@ class _Merge1(torch.autograd.Function):
         ctx.save_for_backward(out1, extra, query, norm_weight, a, le, r)
         ctx.lse_dtype = lse.dtype
         ctx.set_materialize_grads(False)
-        return out.to(extra.dtype).view(extra.shape[1:])
+        return _cast(out, extra.dtype).view(extra.shape[1:])
 
     @staticmethod
     @once_differentiable
@@ -212,7 +227,7 @@ class _Merge1(torch.autograd.Function):
         e = _f32(extra, (-1, dim))
         tokens = e.shape[0]
         o1, g = _f32(out1, e.shape), _f32(grad_out, e.shape)
-        u = (norm_weight.float() * query.float()).contiguous()
+        u = _u(query, norm_weight)
         need = ctx.needs_input_grad
         go1 = torch.empty_like(e) if need[0] else None
         ge = torch.empty_like(e) if need[2] else None
@@ -224,11 +239,11 @@ class _Merge1(torch.autograd.Function):
             _ptr(go1), _ptr(glse), _ptr(ge), _ptr(du_part), threads,
         )  # fmt: skip
         du = du_part.sum(0)
-        grad_o1 = None if go1 is None else go1.to(out1.dtype).view(out1.shape)
-        grad_l1 = glse.to(ctx.lse_dtype).view(out1.shape[:-1]) if need[1] else None
-        grad_e = None if ge is None else ge.to(extra.dtype).view(extra.shape)
-        grad_q = (du * norm_weight.float()).to(query.dtype) if need[3] else None
-        grad_g = (du * query.float()).to(norm_weight.dtype) if need[4] else None
+        grad_o1 = None if go1 is None else _cast(go1, out1.dtype).view(out1.shape)
+        grad_l1 = _cast(glse, ctx.lse_dtype).view(out1.shape[:-1]) if need[1] else None
+        grad_e = None if ge is None else _cast(ge, extra.dtype).view(extra.shape)
+        grad_q = _cast(du * norm_weight, query.dtype) if need[3] else None
+        grad_g = _cast(du * query, norm_weight.dtype) if need[4] else None
         return grad_o1, grad_l1, grad_e, grad_q, grad_g, None
 
 
@@ -243,7 +258,7 @@ class _Merge(torch.autograd.Function):
         e = _f32(extra, (m, -1, dim))
         tokens = e.shape[1]
         o1, l1 = _f32(out1, (tokens, dim)), _f32(lse, (tokens,))
-        u = (norm_weight.float() * query.float()).contiguous()
+        u = _u(query, norm_weight)
         out = o1.new_empty(tokens, dim)
         le, r, total = e.new_empty(m, tokens), e.new_empty(m, tokens), e.new_empty(tokens)
         lib.merge_forward(
@@ -252,7 +267,7 @@ class _Merge(torch.autograd.Function):
         )  # fmt: skip
         ctx.save_for_backward(out1, lse, extra, query, norm_weight, le, r, total)
         ctx.set_materialize_grads(False)
-        return out.to(extra.dtype).view(extra.shape[1:])
+        return _cast(out, extra.dtype).view(extra.shape[1:])
 
     @staticmethod
     @once_differentiable
@@ -266,7 +281,7 @@ class _Merge(torch.autograd.Function):
         tokens = e.shape[1]
         o1, l1 = _f32(out1, (tokens, dim)), _f32(lse, (tokens,))
         g = _f32(grad_out, (tokens, dim))
-        u = (norm_weight.float() * query.float()).contiguous()
+        u = _u(query, norm_weight)
         need = ctx.needs_input_grad
         go1 = torch.empty_like(o1) if need[0] else None
         ge = torch.empty_like(e) if need[2] else None
@@ -278,11 +293,11 @@ class _Merge(torch.autograd.Function):
             tokens, dim, _ptr(go1), _ptr(glse), _ptr(ge), _ptr(du_part), threads,
         )  # fmt: skip
         du = du_part.sum(0)
-        grad_o1 = None if go1 is None else go1.to(out1.dtype).view(out1.shape)
-        grad_l1 = glse.to(lse.dtype).view(lse.shape) if need[1] else None
-        grad_e = None if ge is None else ge.to(extra.dtype).view(extra.shape)
-        grad_q = (du * norm_weight.float()).to(query.dtype) if need[3] else None
-        grad_g = (du * query.float()).to(norm_weight.dtype) if need[4] else None
+        grad_o1 = None if go1 is None else _cast(go1, out1.dtype).view(out1.shape)
+        grad_l1 = _cast(glse, lse.dtype).view(lse.shape) if need[1] else None
+        grad_e = None if ge is None else _cast(ge, extra.dtype).view(extra.shape)
+        grad_q = _cast(du * norm_weight, query.dtype) if need[3] else None
+        grad_g = _cast(du * query, norm_weight.dtype) if need[4] else None
         return grad_o1, grad_l1, grad_e, grad_q, grad_g, None
 
 
