@@ -49,6 +49,13 @@ def _two_phase_rows(depth: dict) -> list[str]:
             f"{t['two_phase_over_reference']:.3f} | the same block: {ms['two_phase']:.1f} ms vs "
             f"{ms['reference']:.1f} ms |"
         )
+        if "fused_over_two_phase" in t:
+            rows.append(
+                f"| depth attention time, fused C kernels / two-phase torch ops (S = {size}) | "
+                f"{t['fused_over_two_phase']:.3f} | the same block: "
+                f"{ms['two_phase_fused']:.1f} ms vs {ms['two_phase']:.1f} ms; "
+                f"fused / lean {t['fused_over_lean']:.3f} |"
+            )
     return rows
 
 

@@ -1,4 +1,5 @@
-"""One block of depth attention, three ways: two-phase, lean one-pass, reference one-pass.
+"""One block of depth attention: two-phase (torch ops, and the fused C kernels where they
+build), lean one-pass, reference one-pass.
 
 A Block AttnRes block of ``S`` sublayers over ``n`` completed blocks (``[n, T, D]``, the
 store): sublayer 0 attends over the store, sublayers 1.. over the store plus the partial block.
@@ -23,7 +24,7 @@ import time
 import torch
 
 from attnres_dist.bench.io_counter import OpBytesCounter
-from attnres_dist.ops import get_depth_attention
+from attnres_dist.ops import get_depth_attention, runnable_depth_attention_impls
 
 
 def _inputs(n: int, size: int, tokens: int, dim: int, seed: int, extra: int = 1):
@@ -36,8 +37,8 @@ def _inputs(n: int, size: int, tokens: int, dim: int, seed: int, extra: int = 1)
     return store, others, queries, gains, grads
 
 
-def _block_two_phase(store, partial, queries, gains, full: bool = False):
-    op = get_depth_attention("twophase")
+def _block_two_phase(store, partial, queries, gains, full: bool = False, impl="twophase"):
+    op = get_depth_attention(impl)
     out1, lse = (t.unbind(0) for t in op.phase1(store, queries, gains))
     outs = [out1[0]]
     for k in range(1, queries.shape[0]):
@@ -61,6 +62,10 @@ PATHS = {
     "lean": lambda *a, **k: _block_one_pass("lean", *a, **k),
     "reference": lambda *a, **k: _block_one_pass("reference", *a, **k),
 }
+# the fused C kernels, where they build (timed only: the aten-op counter of ``block_io`` cannot
+# see inside them; they read each input once per pass by construction)
+if runnable_depth_attention_impls().get("cpu_fused") is None:
+    PATHS["two_phase_fused"] = lambda *a, **k: _block_two_phase(*a, **k, impl="cpu_fused")
 
 
 def _fwd_bwd(path: str, store, partial, queries, gains, grads) -> float:
@@ -82,13 +87,17 @@ def block_timings(
         median = _medians(names, args, reps, warmup)
     finally:
         torch.set_num_threads(threads)
-    return {
+    result = {
         "median_ms": median,
         "threads": 1,
         "clock": "process CPU time",
         "two_phase_over_lean": median["two_phase"] / median["lean"],
         "two_phase_over_reference": median["two_phase"] / median["reference"],
     }
+    if "two_phase_fused" in median:
+        result["fused_over_two_phase"] = median["two_phase_fused"] / median["two_phase"]
+        result["fused_over_lean"] = median["two_phase_fused"] / median["lean"]
+    return result
 
 
 def _medians(names: list[str], args, reps: int, warmup: int) -> dict[str, float]:
