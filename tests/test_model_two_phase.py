@@ -17,8 +17,8 @@ from attnres_dist.ops.cpu_two_phase import requirement as cpu_kernel_requirement
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
 from attnres_dist.pipeline.contract import pack, unpack
+from tests.tiny_model import VOCAB, randomize_mixers, tiny_overrides
 
-VOCAB = 257
 # the two-phase implementations runnable here (the fused CPU kernels need a C compiler)
 FAST = ["twophase", *(["cpu_fused"] if cpu_kernel_requirement() is None else [])]
 
@@ -30,24 +30,10 @@ def process_group():
 
 def build(impl, mode="block", block_size=2, num_layers=3, recompute="none", interval=1):
     cfg = load_config(
-        None,
-        [
-            f"model.num_layers={num_layers}",
-            "model.hidden_size=32",
-            "model.num_attention_heads=4",
-            "model.seq_length=12",
-            f"model.attnres.mode={mode}",
-            f"model.attnres.block_size={block_size}",
-            f"model.attnres.impl={impl}",
-        ],
+        None, tiny_overrides(mode, block_size, num_layers, **{"model.attnres.impl": impl})
     )
     model = AttnResGPT(ModelBuilder(cfg.model, VOCAB, seed=0), recompute, interval)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "mixer" in name:
-                noise = torch.randn(p.shape, generator=g)
-                p.copy_(noise * 0.5 if "query" in name else 1 + 0.2 * noise)
+    randomize_mixers(model)
     return model
 
 

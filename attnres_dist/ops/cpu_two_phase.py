@@ -33,6 +33,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from attnres_dist.ops import two_phase
+from attnres_dist.ops.depth_attention import one_pass_adapter
 
 SOURCE = Path(__file__).with_name("csrc") / "two_phase_cpu.c"
 FLAGS = ("-O2", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
@@ -146,6 +147,22 @@ def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def _query_gain_grads(du_part: Tensor, query, norm_weight, need_q: bool, need_g: bool):
+    """``dL/dw = dL/du * g`` and ``dL/dg = dL/du * w`` from the kernels' per-thread ``dL/du``."""
+    du = du_part.sum(0)
+    grad_q = _cast(du * norm_weight, query.dtype) if need_q else None
+    grad_g = _cast(du * query, norm_weight.dtype) if need_g else None
+    return grad_q, grad_g
+
+
+def _merge_grad_buffers(o1: Tensor, e: Tensor, need) -> tuple:
+    """(d out1 or None, d lse, d extra or None, per-thread dL/du, threads) for a merge backward."""
+    threads = torch.get_num_threads()
+    go1 = torch.empty_like(o1) if need[0] else None
+    ge = torch.empty_like(e) if need[2] else None
+    return go1, o1.new_empty(o1.shape[0]), ge, o1.new_zeros(threads, o1.shape[1]), threads
+
+
 class _Phase1(torch.autograd.Function):
     @staticmethod
     def forward(ctx, blocks, queries, norm_weights, eps):
@@ -186,10 +203,8 @@ class _Phase1(torch.autograd.Function):
             _ptr(b), _ptr(u), _ptr(lse), _ptr(g), _ptr(gl), n, tokens, dim, s, ctx.eps,
             _ptr(gb), _ptr(du_part), threads,
         )  # fmt: skip
-        du = du_part.sum(0)
         grad_b = None if gb is None else _cast(gb, blocks.dtype).view(blocks.shape)
-        grad_q = _cast(du * norm_weights, queries.dtype) if need_q else None
-        grad_g = _cast(du * queries, norm_weights.dtype) if need_g else None
+        grad_q, grad_g = _query_gain_grads(du_part, queries, norm_weights, need_q, need_g)
         return grad_b, grad_q, grad_g, None
 
 
@@ -229,21 +244,15 @@ class _Merge1(torch.autograd.Function):
         o1, g = _f32(out1, e.shape), _f32(grad_out, e.shape)
         u = _u(query, norm_weight)
         need = ctx.needs_input_grad
-        go1 = torch.empty_like(e) if need[0] else None
-        ge = torch.empty_like(e) if need[2] else None
-        glse = e.new_empty(tokens)
-        threads = torch.get_num_threads()
-        du_part = e.new_zeros(threads, dim)
+        go1, glse, ge, du_part, threads = _merge_grad_buffers(o1, e, need)
         lib.merge1_backward(
             _ptr(o1), _ptr(e), _ptr(u), _ptr(a), _ptr(le), _ptr(r), _ptr(g), tokens, dim,
             _ptr(go1), _ptr(glse), _ptr(ge), _ptr(du_part), threads,
         )  # fmt: skip
-        du = du_part.sum(0)
         grad_o1 = None if go1 is None else _cast(go1, out1.dtype).view(out1.shape)
         grad_l1 = _cast(glse, ctx.lse_dtype).view(out1.shape[:-1]) if need[1] else None
         grad_e = None if ge is None else _cast(ge, extra.dtype).view(extra.shape)
-        grad_q = _cast(du * norm_weight, query.dtype) if need[3] else None
-        grad_g = _cast(du * query, norm_weight.dtype) if need[4] else None
+        grad_q, grad_g = _query_gain_grads(du_part, query, norm_weight, need[3], need[4])
         return grad_o1, grad_l1, grad_e, grad_q, grad_g, None
 
 
@@ -283,21 +292,15 @@ class _Merge(torch.autograd.Function):
         g = _f32(grad_out, (tokens, dim))
         u = _u(query, norm_weight)
         need = ctx.needs_input_grad
-        go1 = torch.empty_like(o1) if need[0] else None
-        ge = torch.empty_like(e) if need[2] else None
-        glse = o1.new_empty(tokens)
-        threads = torch.get_num_threads()
-        du_part = o1.new_zeros(threads, dim)
+        go1, glse, ge, du_part, threads = _merge_grad_buffers(o1, e, need)
         lib.merge_backward(
             _ptr(o1), _ptr(l1), _ptr(e), _ptr(u), _ptr(le), _ptr(r), _ptr(total), _ptr(g), m,
             tokens, dim, _ptr(go1), _ptr(glse), _ptr(ge), _ptr(du_part), threads,
         )  # fmt: skip
-        du = du_part.sum(0)
         grad_o1 = None if go1 is None else _cast(go1, out1.dtype).view(out1.shape)
         grad_l1 = _cast(glse, lse.dtype).view(lse.shape) if need[1] else None
         grad_e = None if ge is None else _cast(ge, extra.dtype).view(extra.shape)
-        grad_q = _cast(du * norm_weight, query.dtype) if need[3] else None
-        grad_g = _cast(du * query, norm_weight.dtype) if need[4] else None
+        grad_q, grad_g = _query_gain_grads(du_part, query, norm_weight, need[3], need[4])
         return grad_o1, grad_l1, grad_e, grad_q, grad_g, None
 
 
@@ -323,8 +326,5 @@ def phase2(
     return merge.apply(out1, lse, extra, query, norm_weight, eps)
 
 
-def one_pass(query, sources, norm_weight, eps: float = 1e-6, return_weights: bool = False):
-    """One-pass depth attention from these phases (phase 1 over all but the last source)."""
-    return two_phase.two_phase_depth_attention(
-        query, sources, norm_weight, eps, return_weights, phases=(phase1, phase2)
-    )
+# one-pass depth attention from these phases (phase 1 over all but the last source)
+one_pass = one_pass_adapter(two_phase.compose_phases(phase1, phase2))

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from attnres_dist.ops.depth_attention import compute_dtype, depth_attention, validate_inputs
+from attnres_dist.ops.depth_attention import compute_dtype, one_pass_adapter
 
 
 def _key_stats(flat: Tensor, eps: float) -> Tensor:
@@ -307,24 +307,20 @@ def phase2(
     return _Phase2.apply(out1, lse, extra, query, norm_weight, eps)
 
 
-def two_phase_depth_attention(
-    query: Tensor,
-    sources: Sequence[Tensor],
-    norm_weight: Tensor,
-    eps: float = 1e-6,
-    return_weights: bool = False,
-    *,
-    phases=None,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """One-pass depth attention built from the phases: phase 1 over all sources but the last,
-    phase 2 merging the last. ``phases``: the ``(phase1, phase2)`` functions to build it from
-    (default: this module's). The softmax weights (diagnostics) come from the lean op."""
-    validate_inputs(query, sources, norm_weight)
-    if return_weights:
-        return depth_attention(query, sources, norm_weight, eps=eps, return_weights=True)
-    first, second = (phase1, phase2) if phases is None else phases
-    head = sources[0].unsqueeze(0) if len(sources) <= 2 else torch.stack(sources[:-1])
-    out1, lse = first(head, query.unsqueeze(0), norm_weight.unsqueeze(0), eps)
-    if len(sources) == 1:
-        return out1[0].to(sources[0].dtype)
-    return second(out1[0], lse[0], sources[-1].unsqueeze(0), query, norm_weight, eps)
+def compose_phases(first, second):
+    """One-pass depth attention ``kernel(query, sources, norm_weight, eps)`` built from a
+    ``phase1`` (over all sources but the last) and a ``phase2`` (merging the last)."""
+
+    def kernel(query: Tensor, sources: Sequence[Tensor], norm_weight: Tensor, eps: float):
+        head = sources[0].unsqueeze(0) if len(sources) <= 2 else torch.stack(sources[:-1])
+        out1, lse = first(head, query.unsqueeze(0), norm_weight.unsqueeze(0), eps)
+        if len(sources) == 1:
+            return out1[0].to(sources[0].dtype)
+        return second(out1[0], lse[0], sources[-1].unsqueeze(0), query, norm_weight, eps)
+
+    kernel.__name__ = kernel.__qualname__ = f"two_phase_{first.__module__.rsplit('.', 1)[-1]}"
+    return kernel
+
+
+# the softmax weights (diagnostics) come from the lean op
+two_phase_depth_attention = one_pass_adapter(compose_phases(phase1, phase2))
