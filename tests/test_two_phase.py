@@ -157,8 +157,8 @@ def test_phases_save_no_normalised_keys_or_products(impl):
     with SavedTensorCounter() as c2:
         out = op.phase2(out1[1], lse[1], partial[None], queries[1], gains[1])
     # phase 1 may keep per token and block one key statistic and the S logits (S / D of the
-    # blocks' size); phase 2 a few floats per token
-    bounds = (4 * tokens * n * (1 + s), 4 * tokens * 2 * s)
+    # blocks' size) and per token and query its log-sum-exp; phase 2 a few floats per token
+    bounds = (4 * tokens * (n * (1 + s) + s), 4 * tokens * 2 * s)
     cases = ((c1, [blocks, queries, gains]), (c2, [out1, lse, partial, queries]))
     for (counter, inputs), bound in zip(cases, bounds, strict=True):
         extra = counter.extra_tensors([*inputs, gains])

@@ -39,8 +39,8 @@ SOURCE = Path(__file__).with_name("csrc") / "two_phase_cpu.c"
 FLAGS = ("-O2", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
 _F, _I, _L, _P = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
-    "phase1_forward": (_P, _P, _I, _L, _I, _I, _F, _P, _P, _I),
-    "phase1_backward": (_P, _P, _P, _P, _P, _I, _L, _I, _I, _F, _P, _P, _I),
+    "phase1_forward": (_P, _P, _I, _L, _I, _I, _F, _P, _P, _P, _P, _I),
+    "phase1_backward": (_P, _P, _P, _P, _P, _P, _P, _I, _L, _I, _I, _P, _P, _I),
     "merge1_forward": (_P, _P, _P, _P, _L, _I, _F, _P, _P, _P, _P, _I),
     "merge1_backward": (_P, _P, _P, _P, _P, _P, _P, _L, _I, _P, _P, _P, _P, _I),
     "merge_forward": (_P, _P, _P, _P, _I, _L, _I, _F, _P, _P, _P, _P, _I),
@@ -56,13 +56,14 @@ def cache_dir() -> Path:
 
 
 def _cpu_model() -> str:
+    """The CPU's name and instruction-set flags: ``-march=native`` code must not be loaded on a
+    CPU with fewer features (a cache directory shared between machines)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor()
+        return platform.processor()
+    wanted = ("model name", "flags", "Features", "CPU part")  # x86, then arm64's names
+    return "\n".join(dict.fromkeys(ln for ln in lines if ln.startswith(wanted)))
 
 
 def _compiler() -> str | None:
@@ -173,19 +174,21 @@ class _Phase1(torch.autograd.Function):
         tokens = b.shape[1]
         u = _u(queries, norm_weights)
         out1, lse = b.new_empty(s, tokens, dim), b.new_empty(s, tokens)
+        logits, rstd = b.new_empty(tokens, n, s), b.new_empty(tokens, n)
         lib.phase1_forward(
-            _ptr(b), _ptr(u), n, tokens, dim, s, eps, _ptr(out1), _ptr(lse),
-            torch.get_num_threads(),
+            _ptr(b), _ptr(u), n, tokens, dim, s, eps, _ptr(out1), _ptr(lse), _ptr(logits),
+            _ptr(rstd), torch.get_num_threads(),
         )  # fmt: skip
-        ctx.save_for_backward(blocks, queries, norm_weights, lse)
-        ctx.eps = eps
+        # logits and key statistics (S / D and 1 / D of the blocks' size): the backward then
+        # reads each block row once, for its products with the output gradient
+        ctx.save_for_backward(blocks, queries, norm_weights, lse, logits, rstd)
         ctx.set_materialize_grads(False)
         return out1.view(s, *batch, dim), lse.view(s, *batch)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out1, grad_lse):
-        blocks, queries, norm_weights, lse = ctx.saved_tensors
+        blocks, queries, norm_weights, lse, logits, rstd = ctx.saved_tensors
         if grad_out1 is None and grad_lse is None:
             return None, None, None, None
         lib = _library()[0]
@@ -200,8 +203,8 @@ class _Phase1(torch.autograd.Function):
         threads = torch.get_num_threads()
         du_part = b.new_zeros(threads, s, dim)
         lib.phase1_backward(
-            _ptr(b), _ptr(u), _ptr(lse), _ptr(g), _ptr(gl), n, tokens, dim, s, ctx.eps,
-            _ptr(gb), _ptr(du_part), threads,
+            _ptr(b), _ptr(u), _ptr(lse), _ptr(logits), _ptr(rstd), _ptr(g), _ptr(gl), n,
+            tokens, dim, s, _ptr(gb), _ptr(du_part), threads,
         )  # fmt: skip
         grad_b = None if gb is None else _cast(gb, blocks.dtype).view(blocks.shape)
         grad_q, grad_g = _query_gain_grads(du_part, queries, norm_weights, need_q, need_g)

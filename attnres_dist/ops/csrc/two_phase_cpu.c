@@ -45,12 +45,14 @@ static void token_logits(const float *b, int64_t row_stride, int n, int D, const
     }
 }
 
+/* Writes out1, lse and, for the backward, the key statistics r [T, n] and logits [T, n, S]. */
 void phase1_forward(const float *b, const float *u, int n, int64_t T, int D, int S, float eps,
-                    float *out1, float *lse, int threads) {
+                    float *out1, float *lse, float *logits, float *rstd, int threads) {
     const int64_t rs = T * D;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < T; ++t) {
-        float r[n], logit[n * S], p[n * S];
+        float p[n * S];
+        float *r = rstd + t * n, *logit = logits + t * n * S;
         const float *bt = b + t * D;
         token_logits(bt, rs, n, D, u, S, eps, r, logit);
         for (int l = 0; l < S; ++l) {
@@ -80,18 +82,18 @@ void phase1_forward(const float *b, const float *u, int n, int64_t T, int D, int
 /* d b_j = sum_l p_lj G_l + sum_l draw_lj u_l - r_j^2 / D (sum_l dlogit_lj logit_lj) b_j,
  * dlogit_lj = p_lj (<G_l, b_j> - sum_j' p_lj' <G_l, b_j'> + dlse_l), draw = r_j dlogit;
  * du_l = sum_{t, j} draw_lj b_j, accumulated per thread into du_part[thread]. */
-void phase1_backward(const float *b, const float *u, const float *lse, const float *G,
-                     const float *glse, int n, int64_t T, int D, int S, float eps, float *gb,
-                     float *du_part, int threads) {
+void phase1_backward(const float *b, const float *u, const float *lse, const float *logits,
+                     const float *rstd, const float *G, const float *glse, int n, int64_t T,
+                     int D, int S, float *gb, float *du_part, int threads) {
     const int64_t rs = T * D;
 #pragma omp parallel num_threads(threads)
     {
         float *du = du_part + (int64_t)omp_get_thread_num() * S * D;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; ++t) {
-            float r[n], logit[n * S], p[n * S], dl[n * S], coef[n];
+            float p[n * S], dl[n * S], coef[n];
+            const float *r = rstd + t * n, *logit = logits + t * n * S;
             const float *bt = b + t * D;
-            token_logits(bt, rs, n, D, u, S, eps, r, logit);
             for (int l = 0; l < S; ++l) {
                 const float lv = lse[l * T + t];
                 const float *g = G ? G + ((int64_t)l * T + t) * D : 0;
