@@ -87,7 +87,7 @@ def naive_mix(sources: list[torch.Tensor], query, gain, eps=1e-6):
 
 
 @pytest.mark.parametrize("impl", TWO_PHASE)
-@pytest.mark.parametrize("n, s", [(1, 1), (2, 3), (9, 4), (17, 2)])
+@pytest.mark.parametrize("n, s", [(1, 1), (2, 3), (9, 4), (17, 2), (5, 8), (3, 11)])
 def test_phase1_matches_naive_definition(impl, n, s):
     op = get_depth_attention(impl)
     gen = torch.Generator().manual_seed(n * 10 + s)
