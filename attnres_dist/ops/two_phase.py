@@ -318,7 +318,7 @@ def compose_phases(first, second):
             return out1[0].to(sources[0].dtype)
         return second(out1[0], lse[0], sources[-1].unsqueeze(0), query, norm_weight, eps)
 
-    kernel.__name__ = kernel.__qualname__ = f"two_phase_{first.__module__.rsplit('.', 1)[-1]}"
+    kernel.__name__ = kernel.__qualname__ = f"one_pass_{first.__module__.rsplit('.', 1)[-1]}"
     return kernel
 
 
