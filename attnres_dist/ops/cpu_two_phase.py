@@ -40,7 +40,7 @@ FLAGS = ("-O2", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-share
 _F, _I, _L, _P = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
     "phase1_forward": (_P, _P, _I, _L, _I, _I, _F, _P, _P, _P, _P, _I),
-    "phase1_backward": (_P, _P, _P, _P, _P, _P, _P, _I, _L, _I, _I, _P, _P, _I),
+    "phase1_backward": (_P, _P, _P, _P, _P, _P, _P, _I, _L, _I, _I, _P, _I, _P, _I),
     "merge1_forward": (_P, _P, _P, _P, _L, _I, _F, _P, _P, _P, _P, _I),
     "merge1_backward": (_P, _P, _P, _P, _P, _P, _P, _L, _I, _P, _P, _P, _P, _I),
     "merge_forward": (_P, _P, _P, _P, _I, _L, _I, _F, _P, _P, _P, _P, _I),
@@ -144,6 +144,15 @@ def _u(query: Tensor, norm_weight: Tensor) -> Tensor:
     return norm_weight.float() * query.float()
 
 
+def _u_padded(queries: Tensor, norm_weights: Tensor) -> Tensor:
+    """Phase 1's ``[S4, D]`` products: ``S`` rounded up to a multiple of four (the kernels take
+    queries four at a time), zero rows after the ``S`` real ones."""
+    s, dim = queries.shape
+    u = queries.new_zeros((s + 3) // 4 * 4, dim, dtype=torch.float32)
+    torch.mul(norm_weights, queries, out=u[:s])
+    return u
+
+
 def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
@@ -172,7 +181,7 @@ class _Phase1(torch.autograd.Function):
         batch = blocks.shape[1:-1]
         b = _f32(blocks, (n, -1, dim))
         tokens = b.shape[1]
-        u = _u(queries, norm_weights)
+        u = _u_padded(queries, norm_weights)
         out1, lse = b.new_empty(s, tokens, dim), b.new_empty(s, tokens)
         logits, rstd = b.new_empty(tokens, n, s), b.new_empty(tokens, n)
         lib.phase1_forward(
@@ -195,19 +204,19 @@ class _Phase1(torch.autograd.Function):
         n, dim, s = blocks.shape[0], blocks.shape[-1], queries.shape[0]
         b = _f32(blocks, (n, -1, dim))
         tokens = b.shape[1]
-        u = _u(queries, norm_weights)
+        u = _u_padded(queries, norm_weights)
         g = None if grad_out1 is None else _f32(grad_out1, (s, tokens, dim))
         gl = None if grad_lse is None else _f32(grad_lse, (s, tokens))
         need_b, need_q, need_g = ctx.needs_input_grad[:3]
         gb = torch.empty_like(b) if need_b else None
         threads = torch.get_num_threads()
-        du_part = b.new_zeros(threads, s, dim)
+        du_part = b.new_zeros(threads, u.shape[0], dim)
         lib.phase1_backward(
             _ptr(b), _ptr(u), _ptr(lse), _ptr(logits), _ptr(rstd), _ptr(g), _ptr(gl), n,
-            tokens, dim, s, _ptr(gb), _ptr(du_part), threads,
+            tokens, dim, s, _ptr(gb), 0, _ptr(du_part), threads,
         )  # fmt: skip
         grad_b = None if gb is None else _cast(gb, blocks.dtype).view(blocks.shape)
-        grad_q, grad_g = _query_gain_grads(du_part, queries, norm_weights, need_q, need_g)
+        grad_q, grad_g = _query_gain_grads(du_part[:, :s], queries, norm_weights, need_q, need_g)
         return grad_b, grad_q, grad_g, None
 
 

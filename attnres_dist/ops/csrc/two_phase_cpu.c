@@ -8,30 +8,103 @@
  * statistics, logits, softmax, mix and gradients are formed. Tokens are split over OpenMP
  * threads (torch's own libgomp, already loaded under the same soname).
  *
- * Layouts (all contiguous): blocks [n, T, D], u = gains * queries [S, D], out1 / G [S, T, D],
+ * Layouts (all contiguous): blocks [n, T, D], u = gains * queries ([S4, D] in phase 1: S rounded
+ * up to a multiple of four, zero rows after S; [D] in phase 2), out1 / G [S, T, D],
  * lse / grad lse [S, T], extra sources e [m, T, D], out1 slice / grad [T, D]. Accumulation
- * is float32, as in the torch-ops path. Logits are recomputed in backward by the same function as in forward, so
- * they round identically and p = exp(logit - lse) sums to one (exactly 1 for one block).
+ * is float32, as in the torch-ops path. Phase 1 keeps its logits for the backward, which forms
+ * p = exp(logit - lse) with the forward's exponential (exactly 1 for one block).
  */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
-/* Short dot products (D is a model width, 64 .. 8192) in LANES independent partial sums, added
- * in a fixed order: compilers turn the inner loop into vector FMAs, the result does not depend
- * on the thread count, and no fast-math flag is needed. */
-#define LANES 8
+/* Eight-float vectors (GCC / clang vector extensions: AVX2 / AVX-512VL registers on x86, two
+ * NEON registers on arm64), loaded and stored unaligned. Every sum is formed in a fixed order,
+ * so no fast-math flag is needed and a token's result does not depend on the thread count. */
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+#define VW 8
+
+static inline vf vload(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+static inline float vsum(vf v) {
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
 
 static inline float dot(const float *a, const float *b, int D) {
-    float acc[LANES] = {0.f};
+    vf acc = {0};
     int d = 0;
-    for (; d + LANES <= D; d += LANES)
-        for (int k = 0; k < LANES; ++k) acc[k] += a[d + k] * b[d + k];
-    float s = 0.f;
+    for (; d + VW <= D; d += VW) acc += vload(a + d) * vload(b + d);
+    float s = vsum(acc);
     for (; d < D; ++d) s += a[d] * b[d];
-    for (int k = 0; k < LANES; ++k) s += acc[k];
     return s;
+}
+
+/* exp of eight floats (Cephes' expf): x = k ln2 + r, |r| <= ln2 / 2, exp r = 1 + r + r^2 P(r)
+ * with P of degree 5 (~1 ulp), times 2^k. x below -87.3 gives 0: the inputs here are softmax
+ * logits minus their maximum (or log-sum-exp), so <= 0 up to rounding. */
+static inline vf vexp(vf x) {
+    const vf zero = {0};
+    const vf lo = zero - 87.3f, shifter = zero + 12582912.0f; /* 1.5 * 2^23 rounds to integers */
+    const vi small = x < lo;
+    x = (vf)(((vi)x & ~small) | ((vi)lo & small));
+    const vf t = x * 1.44269504f + shifter;
+    const vf k = t - shifter;
+    const vi ki = (vi)t - (vi)shifter;
+    const vf r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
+    vf y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = (y * r) * r + r + 1.0f;
+    const vf scaled = (vf)((vi)y + (ki << 23));
+    return (vf)((vi)scaled & ~small);
+}
+
+/* A token's n rows lie T * D floats apart: n streams, more than the hardware prefetchers
+ * follow once n passes ~16, so each pass asks for the rows of the token PREFETCH_AHEAD ahead. */
+#define PREFETCH_AHEAD 4
+
+static inline void prefetch_row(const float *x, int D) {
+    for (int d = 0; d < D; d += 16) __builtin_prefetch(x + d, 0, 3);
+}
+
+/* In place exp of len floats (len a multiple of VW). */
+static void exp_inplace(float *x, int len) {
+    for (int i = 0; i < len; i += VW) vstore(x + i, vexp(vload(x + i)));
+}
+
+/* out[k] = <x, w_k> for four rows w_k, and *sq = <x, x> when sq is not NULL. */
+static inline void dots4(const float *x, const float *w0, const float *w1, const float *w2,
+                         const float *w3, int D, float *out, float *sq) {
+    vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, aq = {0};
+    int d = 0;
+    for (; d + VW <= D; d += VW) {
+        const vf xv = vload(x + d);
+        aq += xv * xv;
+        a0 += xv * vload(w0 + d);
+        a1 += xv * vload(w1 + d);
+        a2 += xv * vload(w2 + d);
+        a3 += xv * vload(w3 + d);
+    }
+    float s0 = vsum(a0), s1 = vsum(a1), s2 = vsum(a2), s3 = vsum(a3), q = vsum(aq);
+    for (; d < D; ++d) {
+        q += x[d] * x[d];
+        s0 += x[d] * w0[d];
+        s1 += x[d] * w1[d];
+        s2 += x[d] * w2[d];
+        s3 += x[d] * w3[d];
+    }
+    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+    if (sq) *sq = q;
 }
 
 /* r[j] = rsqrt(mean(b_j^2) + eps) and logit[j * S + l] = r[j] <b_j, u_l> for one token. */
@@ -45,101 +118,182 @@ static void token_logits(const float *b, int64_t row_stride, int n, int D, const
     }
 }
 
+/* Phase 1 works on queries in groups of four: u has S4 = S rounded up to a multiple of 4 rows,
+ * the padding rows zero; per-token arrays are [n, S4] (j-major), padded to a multiple of VW. */
+#define PAD4(s) (((s) + 3) & ~3)
+#define PADV(x) (((x) + VW - 1) & ~(VW - 1))
+
 /* Writes out1, lse and, for the backward, the key statistics r [T, n] and logits [T, n, S]. */
 void phase1_forward(const float *b, const float *u, int n, int64_t T, int D, int S, float eps,
                     float *out1, float *lse, float *logits, float *rstd, int threads) {
     const int64_t rs = T * D;
+    const int S4 = PAD4(S);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < T; ++t) {
-        float p[n * S];
+        float p[PADV(n * S4)], mx[S4], sum[S4], sq;
         float *r = rstd + t * n, *logit = logits + t * n * S;
         const float *bt = b + t * D;
-        token_logits(bt, rs, n, D, u, S, eps, r, logit);
-        for (int l = 0; l < S; ++l) {
-            float m = logit[l];
-            for (int j = 1; j < n; ++j) m = fmaxf(m, logit[j * S + l]);
-            float s = 0.f;
-            for (int j = 0; j < n; ++j) s += (p[j * S + l] = expf(logit[j * S + l] - m));
-            const float inv = 1.0f / s;
-            for (int j = 0; j < n; ++j) p[j * S + l] *= inv;
-            lse[l * T + t] = m + logf(s);
+        for (int j = 0; j < n; ++j) {
+            const float *x = bt + j * rs;
+            float *pj = p + j * S4;
+            if (t + PREFETCH_AHEAD < T) prefetch_row(x + PREFETCH_AHEAD * D, D);
+            for (int l0 = 0; l0 < S4; l0 += 4) {
+                const float *w = u + (int64_t)l0 * D;
+                dots4(x, w, w + D, w + 2 * D, w + 3 * D, D, pj + l0, l0 ? 0 : &sq);
+            }
+            const float rj = 1.0f / sqrtf(sq / (float)D + eps);
+            r[j] = rj;
+            for (int l = 0; l < S; ++l) logit[j * S + l] = pj[l] = rj * pj[l];
         }
         for (int l = 0; l < S; ++l) {
-            float *o = out1 + ((int64_t)l * T + t) * D;
-            const float p0 = p[l];
-#pragma omp simd
-            for (int d = 0; d < D; ++d) o[d] = p0 * bt[d];
-            for (int j = 1; j < n; ++j) {
-                const float *x = bt + j * rs;
-                const float w = p[j * S + l];
-#pragma omp simd
-                for (int d = 0; d < D; ++d) o[d] += w * x[d];
+            float m = p[l];
+            for (int j = 1; j < n; ++j) m = p[j * S4 + l] > m ? p[j * S4 + l] : m;
+            mx[l] = m;
+        }
+        for (int j = 0; j < n; ++j)
+            for (int l = 0; l < S4; ++l) p[j * S4 + l] = l < S ? p[j * S4 + l] - mx[l] : -100.f;
+        for (int i = n * S4; i < PADV(n * S4); ++i) p[i] = -100.f;
+        exp_inplace(p, PADV(n * S4));
+        for (int l = 0; l < S4; ++l) sum[l] = 0.f;
+        for (int j = 0; j < n; ++j)
+            for (int l = 0; l < S4; ++l) sum[l] += p[j * S4 + l];
+        for (int l = 0; l < S; ++l) {
+            lse[l * T + t] = mx[l] + logf(sum[l]);
+            sum[l] = 1.0f / sum[l];
+        }
+        for (int j = 0; j < n; ++j)
+            for (int l = 0; l < S4; ++l) p[j * S4 + l] = l < S ? p[j * S4 + l] * sum[l] : 0.f;
+        /* out1_l = sum_j p_jl b_j, four queries at a time over D in vector chunks */
+        for (int l0 = 0; l0 < S; l0 += 4) {
+            float *o0 = out1 + ((int64_t)l0 * T + t) * D;
+            const int64_t os = T * D; /* next query's output row */
+            int d = 0;
+            for (; d + VW <= D; d += VW) {
+                vf c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
+                for (int j = 0; j < n; ++j) {
+                    const vf xv = vload(bt + j * rs + d);
+                    const float *pj = p + j * S4 + l0;
+                    c0 += pj[0] * xv;
+                    c1 += pj[1] * xv;
+                    c2 += pj[2] * xv;
+                    c3 += pj[3] * xv;
+                }
+                vstore(o0 + d, c0);
+                if (l0 + 1 < S) vstore(o0 + os + d, c1);
+                if (l0 + 2 < S) vstore(o0 + 2 * os + d, c2);
+                if (l0 + 3 < S) vstore(o0 + 3 * os + d, c3);
             }
+            for (; d < D; ++d)
+                for (int k = 0; k < 4 && l0 + k < S; ++k) {
+                    float c = 0.f;
+                    for (int j = 0; j < n; ++j) c += p[j * S4 + l0 + k] * bt[j * rs + d];
+                    o0[k * os + d] = c;
+                }
         }
     }
 }
 
 /* d b_j = sum_l p_lj G_l + sum_l draw_lj u_l - r_j^2 / D (sum_l dlogit_lj logit_lj) b_j,
  * dlogit_lj = p_lj (<G_l, b_j> - sum_j' p_lj' <G_l, b_j'> + dlse_l), draw = r_j dlogit;
- * du_l = sum_{t, j} draw_lj b_j, accumulated per thread into du_part[thread]. */
+ * du_l = sum_{t, j} draw_lj b_j, accumulated per thread into du_part[thread] ([S4, D]).
+ * accumulate: gb += d b (a gradient buffer other reads add into) instead of gb = d b. */
 void phase1_backward(const float *b, const float *u, const float *lse, const float *logits,
                      const float *rstd, const float *G, const float *glse, int n, int64_t T,
-                     int D, int S, float *gb, float *du_part, int threads) {
+                     int D, int S, float *gb, int accumulate, float *du_part, int threads) {
     const int64_t rs = T * D;
+    const int S4 = PAD4(S);
 #pragma omp parallel num_threads(threads)
     {
-        float *du = du_part + (int64_t)omp_get_thread_num() * S * D;
+        float *du = du_part + (int64_t)omp_get_thread_num() * S4 * D;
+        float zero[D];
+        memset(zero, 0, sizeof zero);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; ++t) {
-            float p[n * S], dl[n * S], coef[n];
+            float p[PADV(n * S4)], dl[n * S4], coef[n];
+            const float *g[S4];
             const float *r = rstd + t * n, *logit = logits + t * n * S;
             const float *bt = b + t * D;
-            for (int l = 0; l < S; ++l) {
-                const float lv = lse[l * T + t];
-                const float *g = G ? G + ((int64_t)l * T + t) * D : 0;
-                float c = 0.f;
-                for (int j = 0; j < n; ++j) {
-                    const float pj = expf(logit[j * S + l] - lv);
-                    const float dp = g ? dot(g, bt + j * rs, D) : 0.f;
-                    p[j * S + l] = pj;
-                    dl[j * S + l] = dp;
-                    c += pj * dp;
+            for (int l = 0; l < S4; ++l) g[l] = G && l < S ? G + ((int64_t)l * T + t) * D : zero;
+            for (int j = 0; j < n; ++j)
+                for (int l = 0; l < S4; ++l)
+                    p[j * S4 + l] = l < S ? logit[j * S + l] - lse[l * T + t] : -100.f;
+            for (int i = n * S4; i < PADV(n * S4); ++i) p[i] = -100.f;
+            exp_inplace(p, PADV(n * S4));
+            for (int j = 0; j < n; ++j)
+                for (int l0 = 0; l0 < S4; l0 += 4) {
+                    if (l0 == 0 && t + PREFETCH_AHEAD < T) {
+                        prefetch_row(bt + j * rs + PREFETCH_AHEAD * D, D);
+                        if (gb && accumulate)
+                            prefetch_row(gb + j * rs + (t + PREFETCH_AHEAD) * D, D);
+                    }
+                    if (G)
+                        dots4(bt + j * rs, g[l0], g[l0 + 1], g[l0 + 2], g[l0 + 3], D,
+                              dl + j * S4 + l0, 0);
+                    else
+                        for (int k = 0; k < 4; ++k) dl[j * S4 + l0 + k] = 0.f;
                 }
-                const float gl = glse ? glse[l * T + t] : 0.f;
+            for (int l = 0; l < S4; ++l) {
+                float c = 0.f;
+                for (int j = 0; j < n; ++j) c += p[j * S4 + l] * dl[j * S4 + l];
+                const float gl = glse && l < S ? glse[l * T + t] : 0.f;
                 for (int j = 0; j < n; ++j)
-                    dl[j * S + l] = p[j * S + l] * (dl[j * S + l] - c + gl);
+                    dl[j * S4 + l] = l < S ? p[j * S4 + l] * (dl[j * S4 + l] - c + gl) : 0.f;
             }
             for (int j = 0; j < n; ++j) {
                 float acc = 0.f;
-                for (int l = 0; l < S; ++l) acc += dl[j * S + l] * logit[j * S + l];
+                for (int l = 0; l < S; ++l) acc += dl[j * S4 + l] * logit[j * S + l];
                 coef[j] = -(r[j] * r[j] / (float)D) * acc;
+                for (int l = 0; l < S4; ++l) dl[j * S4 + l] *= r[j]; /* dl is draw from here */
             }
-            for (int j = 0; j < n; ++j) {
-                const float *x = bt + j * rs;
-                float *y = gb ? gb + j * rs + t * D : 0;
-                if (y) {
-                    const float cj = coef[j];
-#pragma omp simd
-                    for (int d = 0; d < D; ++d) y[d] = cj * x[d];
-                }
-                for (int l = 0; l < S; ++l) {
-                    const float draw = dl[j * S + l] * r[j];
-                    const float *ul = u + (int64_t)l * D;
-                    float *dul = du + (int64_t)l * D;
-#pragma omp simd
-                    for (int d = 0; d < D; ++d) dul[d] += draw * x[d];
-                    if (y) {
-                        const float pj = p[j * S + l];
-                        const float *g = G ? G + ((int64_t)l * T + t) * D : 0;
-                        if (g) {
-#pragma omp simd
-                            for (int d = 0; d < D; ++d) y[d] += pj * g[d] + draw * ul[d];
-                        } else {
-#pragma omp simd
-                            for (int d = 0; d < D; ++d) y[d] += draw * ul[d];
-                        }
+            /* four queries at a time: y_j += p_jl G_l + draw_jl u_l; du_l += draw_jl b_j */
+            for (int l0 = 0; l0 < S4; l0 += 4) {
+                const float *u0 = u + (int64_t)l0 * D;
+                float *du0 = du + (int64_t)l0 * D;
+                const int first = l0 == 0;
+                int d = 0;
+                for (; d + VW <= D; d += VW) {
+                    const vf g0 = vload(g[l0] + d), g1 = vload(g[l0 + 1] + d);
+                    const vf g2 = vload(g[l0 + 2] + d), g3 = vload(g[l0 + 3] + d);
+                    const vf w0 = vload(u0 + d), w1 = vload(u0 + D + d);
+                    const vf w2 = vload(u0 + 2 * D + d), w3 = vload(u0 + 3 * D + d);
+                    vf e0 = {0}, e1 = {0}, e2 = {0}, e3 = {0};
+                    for (int j = 0; j < n; ++j) {
+                        const vf xv = vload(bt + j * rs + d);
+                        const float *pj = p + j * S4 + l0, *aj = dl + j * S4 + l0;
+                        e0 += aj[0] * xv;
+                        e1 += aj[1] * xv;
+                        e2 += aj[2] * xv;
+                        e3 += aj[3] * xv;
+                        if (!gb) continue;
+                        float *y = gb + j * rs + t * D + d;
+                        const vf none = {0};
+                        vf acc = first ? (accumulate ? vload(y) : none) + coef[j] * xv
+                                       : vload(y);
+                        acc += pj[0] * g0 + aj[0] * w0;
+                        acc += pj[1] * g1 + aj[1] * w1;
+                        acc += pj[2] * g2 + aj[2] * w2;
+                        acc += pj[3] * g3 + aj[3] * w3;
+                        vstore(y, acc);
                     }
+                    vstore(du0 + d, vload(du0 + d) + e0);
+                    vstore(du0 + D + d, vload(du0 + D + d) + e1);
+                    vstore(du0 + 2 * D + d, vload(du0 + 2 * D + d) + e2);
+                    vstore(du0 + 3 * D + d, vload(du0 + 3 * D + d) + e3);
                 }
+                for (; d < D; ++d)
+                    for (int j = 0; j < n; ++j) {
+                        const float x = bt[j * rs + d];
+                        float acc = 0.f;
+                        for (int k = 0; k < 4; ++k) {
+                            const float a = dl[j * S4 + l0 + k];
+                            du0[k * D + d] += a * x;
+                            acc += p[j * S4 + l0 + k] * g[l0 + k][d] + a * u0[k * D + d];
+                        }
+                        if (!gb) continue;
+                        float *y = gb + j * rs + t * D + d;
+                        const float base = first ? (accumulate ? *y : 0.f) + coef[j] * x : *y;
+                        *y = base + acc;
+                    }
             }
         }
     }
