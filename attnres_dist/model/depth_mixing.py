@@ -106,9 +106,14 @@ class Segment:
         # phase 1 reads the blocks completed when the block (or Full group) began, wherever
         # the segment starts: a stage or recompute cut then changes no arithmetic
         store = state.store
+        # the store's rows gather their gradient in its buffer where the kernel can add to it
+        buffer = state.buffer
+        into = {}
+        if op.grad_into and buffer is not None and buffer.holds(store):
+            into = {"grad_into": buffer.grad}
         if store.shape[0] != self.rows:  # a cut inside a Full group (slicing has a cost)
             store = store[: self.rows]
-        out1, lse = op.phase1(store, queries, gains, eps=eps)
+        out1, lse = op.phase1(store, queries, gains, eps=eps, **into)
         # unbind once: one backward node stacks the S gradients, where S separate index
         # ops would each fill a zero tensor of the whole [S, ...] and add it up
         cache = Phase1Cache(self.first, self.rows, out1.unbind(0), lse.unbind(0))

@@ -8,13 +8,19 @@ been applied; and, for two-phase depth attention, the phase-1 results of the seg
 (``Phase1Cache``, never part of a payload). It is created by the embedding for one micro-batch
 and dropped after the head: nothing survives between micro-batches, batches, or train and eval.
 
-The store grows into a preallocated buffer (``capacity`` rows, fixed by the block plan for the
-layers that will run on it): closing a block writes one row, so a forward pass copies each
-block once. Each store the model sees is a separate tensor aliasing the buffer's leading rows
-(``_alias``), with its own version counter: writing row ``c`` does not invalidate a smaller
-store that an autograd node saved (those rows never change), which a view of the buffer would.
-``_Append`` routes the gradients: its backward hands the leading rows' gradient to the previous
-store and the new row's to the block it appended.
+The store grows into a preallocated buffer (``StoreBuffer``: ``capacity`` rows, fixed by the
+block plan for the layers that will run on it): closing a block writes one row, so a forward
+pass copies each block once. Each store the model sees is a separate tensor aliasing the
+buffer's leading rows (``_alias``), with its own version counter: writing row ``c`` does not
+invalidate a smaller store that an autograd node saved (those rows never change), which a view
+of the buffer would.
+
+In backward the buffer also holds the rows' gradient, one ``[capacity, s, b, h]`` tensor: a
+reader that can (the fused phase-1 kernel) adds its share there directly, and ``_Append`` adds
+what reached its store through autograd (any other reader, a later stage) and hands the row it
+appended its finished gradient, for every reader of a row ran after it in forward. Without
+this, every store of a pass would get a gradient tensor of its own and autograd would add them
+prefix by prefix: traffic quadratic in the number of blocks.
 
 With Megatron's document options the state also carries the micro-batch's ``DocumentLayout``
 (per-sample positions and attention mask, ``model/document_masks.py``); it is data, not a
@@ -47,21 +53,51 @@ def _is_prefix_of(store: torch.Tensor, buffer: torch.Tensor) -> bool:
     )
 
 
+class StoreBuffer:
+    """The rows a micro-batch's store grows into, and (lazily, in backward) their gradient."""
+
+    __slots__ = ("data", "_grad")
+
+    def __init__(self, data: torch.Tensor):
+        self.data = data
+        self._grad: torch.Tensor | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[0]
+
+    def holds(self, store: torch.Tensor) -> bool:
+        """Whether ``store`` is this buffer's leading rows (an alias, not a copy)."""
+        return _is_prefix_of(store, self.data)
+
+    def grad(self) -> torch.Tensor:
+        """The rows' gradient so far (zeros at the first call)."""
+        if self._grad is None:
+            self._grad = torch.zeros_like(self.data)
+        return self._grad
+
+
 class _Append(torch.autograd.Function):
     """``cat([store, row[None]])`` written into ``buffer`` in place, returned as an alias."""
 
     @staticmethod
-    def forward(ctx, store, row, buffer):
+    def forward(ctx, store, row, buffer: StoreBuffer):
         c = store.shape[0]
-        if not _is_prefix_of(store, buffer):
-            buffer[:c].copy_(store)
-        buffer[c].copy_(row)
-        ctx.rows = c
-        return _alias(buffer, c + 1)
+        ctx.copied = not buffer.holds(store)
+        if ctx.copied:
+            buffer.data[:c].copy_(store)
+        buffer.data[c].copy_(row)
+        ctx.rows, ctx.buffer = c, buffer
+        ctx.set_materialize_grads(False)
+        return _alias(buffer.data, c + 1)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad[: ctx.rows], grad[ctx.rows], None
+        c, acc = ctx.rows, ctx.buffer.grad()
+        if grad is not None:  # readers that returned their gradient through autograd
+            acc[: c + 1] += grad
+        # rows < c of an aliased store gather in the buffer until the append that wrote them
+        return (acc[:c] if ctx.copied else None), acc[c], None
 
 
 @dataclass(frozen=True)
@@ -84,7 +120,7 @@ class DepthState:
     partial: torch.Tensor | None
     layers_done: int = 0
     layout: Any = None  # DocumentLayout or None (plain causal attention, positions 0 .. s-1)
-    buffer: torch.Tensor | None = None  # storage the store grows into (plain tensor, no grad)
+    buffer: StoreBuffer | None = None  # storage the store grows into, and its gradient
     phase1: Phase1Cache | None = None
 
     @staticmethod
@@ -126,11 +162,13 @@ class DepthState:
         buffer = self.buffer
         if self.store is None:
             return row.unsqueeze(0), None
-        if buffer is None or buffer.shape[0] <= c or not _is_prefix_of(self.store, buffer):
-            buffer = torch.empty(
-                (max(capacity, c + 1), *self.store.shape[1:]),
-                dtype=self.store.dtype,
-                device=self.store.device,
+        if buffer is None or buffer.capacity <= c or not buffer.holds(self.store):
+            buffer = StoreBuffer(
+                torch.empty(
+                    (max(capacity, c + 1), *self.store.shape[1:]),
+                    dtype=self.store.dtype,
+                    device=self.store.device,
+                )
             )
         return _Append.apply(self.store, row.to(self.store.dtype), buffer), buffer
 

@@ -7,7 +7,10 @@ when it supports the paper's two-phase computation, the two phase functions
 completed blocks for several sublayers at once, and
 ``phase2(out1, lse, extra, query, norm_weight, eps) -> out`` merging the sources not in the
 store by online softmax). ``requirement()`` says why an implementation cannot run here (None
-when it can), so a config asking for it is refused with that reason.
+when it can), so a config asking for it is refused with that reason. An implementation with
+``grad_into`` set also takes ``phase1(..., grad_into=f)``: ``f()`` gives a float32 tensor whose
+leading ``n`` rows (the blocks' layout) the backward adds the blocks' gradient to, instead of
+returning it (the model's store buffer gathers its rows' gradient so, in one tensor).
 
 ``"lean"`` is the memory-lean one-pass autograd function, ``"reference"`` the plain-autograd
 ground truth, ``"twophase"`` the two-phase computation in torch ops
@@ -56,6 +59,7 @@ class DepthAttentionImpl:
     phase2: Callable[..., Tensor] | None = None
     devices: tuple[str, ...] = ("cpu", "cuda")
     requirement: Callable[[], str | None] = _always_available
+    grad_into: bool = False  # phase1 accepts grad_into= (see the module docstring)
 
     @property
     def two_phase(self) -> bool:
@@ -130,5 +134,6 @@ register_depth_attention(
         cpu_two_phase.phase2,
         devices=("cpu",),
         requirement=cpu_two_phase.requirement,
+        grad_into=True,
     )
 )

@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,13 +39,13 @@ from attnres_dist.ops.depth_attention import one_pass_adapter
 SOURCE = Path(__file__).with_name("csrc") / "two_phase_cpu.c"
 FLAGS = ("-O2", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
 _F, _I, _L, _P = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-_SIGNATURES = {
-    "phase1_forward": (_P, _P, _I, _L, _I, _I, _F, _P, _P, _P, _P, _I),
-    "phase1_backward": (_P, _P, _P, _P, _P, _P, _P, _I, _L, _I, _I, _P, _I, _P, _I),
-    "merge1_forward": (_P, _P, _P, _P, _L, _I, _F, _P, _P, _P, _P, _I),
-    "merge1_backward": (_P, _P, _P, _P, _P, _P, _P, _L, _I, _P, _P, _P, _P, _I),
-    "merge_forward": (_P, _P, _P, _P, _I, _L, _I, _F, _P, _P, _P, _P, _I),
-    "merge_backward": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _L, _I, _P, _P, _P, _P, _I),
+_SIGNATURES = {  # exported entry points; each returns 0, or -1 out of memory
+    "phase1_fwd": (_P, _P, _P, _I, _L, _I, _I, _F, _P, _P, _P, _P, _I),
+    "phase1_bwd": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _L, _I, _I, _P, _I, _P, _P, _I),
+    "merge1_fwd": (_P, _P, _P, _P, _P, _L, _I, _F, _P, _P, _I),
+    "merge1_bwd": (_P, _P, _P, _P, _P, _P, _L, _I, _P, _P, _P, _P, _P, _I),
+    "merge_fwd": (_P, _P, _P, _P, _P, _I, _L, _I, _F, _P, _P, _I),
+    "merge_bwd": (_P, _P, _P, _P, _P, _P, _P, _I, _L, _I, _P, _P, _P, _P, _P, _I),
 }
 
 
@@ -112,7 +113,7 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         return None, str(exc).strip().splitlines()[0]
     for name, args in _SIGNATURES.items():
         getattr(lib, name).argtypes = args
-        getattr(lib, name).restype = None
+        getattr(lib, name).restype = ctypes.c_int
     return lib, None
 
 
@@ -129,203 +130,187 @@ def _runs_here(*tensors: Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype != torch.float64 for t in tensors)
 
 
-def _f32(t: Tensor, shape) -> Tensor:
-    """``t`` as a contiguous float32 tensor of ``shape`` (no dispatch when it already is one)."""
-    t = t.reshape(shape)
+def _f32(t: Tensor) -> Tensor:
+    """``t`` as a contiguous float32 tensor (itself when it already is one)."""
     if t.dtype != torch.float32:
         t = t.float()
     return t if t.is_contiguous() else t.contiguous()
-
-
-def _u(query: Tensor, norm_weight: Tensor) -> Tensor:
-    """``norm_weight * query`` in float32 (a fresh contiguous tensor)."""
-    if query.dtype == norm_weight.dtype == torch.float32:
-        return norm_weight * query
-    return norm_weight.float() * query.float()
-
-
-def _u_padded(queries: Tensor, norm_weights: Tensor) -> Tensor:
-    """Phase 1's ``[S4, D]`` products: ``S`` rounded up to a multiple of four (the kernels take
-    queries four at a time), zero rows after the ``S`` real ones."""
-    s, dim = queries.shape
-    u = queries.new_zeros((s + 3) // 4 * 4, dim, dtype=torch.float32)
-    torch.mul(norm_weights, queries, out=u[:s])
-    return u
 
 
 def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _query_gain_grads(du_part: Tensor, query, norm_weight, need_q: bool, need_g: bool):
-    """``dL/dw = dL/du * g`` and ``dL/dg = dL/du * w`` from the kernels' per-thread ``dL/du``."""
-    du = du_part.sum(0)
-    grad_q = _cast(du * norm_weight, query.dtype) if need_q else None
-    grad_g = _cast(du * query, norm_weight.dtype) if need_g else None
-    return grad_q, grad_g
+def _call(name: str, *args) -> None:
+    if getattr(_library()[0], name)(*args) != 0:  # the kernels' work buffers (a few KiB)
+        raise MemoryError(f"cpu_fused {name}: out of memory")
 
 
-def _merge_grad_buffers(o1: Tensor, e: Tensor, need) -> tuple:
-    """(d out1 or None, d lse, d extra or None, per-thread dL/du, threads) for a merge backward."""
-    threads = torch.get_num_threads()
-    go1 = torch.empty_like(o1) if need[0] else None
-    ge = torch.empty_like(e) if need[2] else None
-    return go1, o1.new_empty(o1.shape[0]), ge, o1.new_zeros(threads, o1.shape[1]), threads
+def _param_grads(query: Tensor, norm_weight: Tensor, need_q: bool, need_g: bool):
+    """Buffers the kernels write dL/d query and dL/d gain into (float32), or None."""
+    gq = torch.empty(query.shape) if need_q else None
+    gg = torch.empty(norm_weight.shape) if need_g else None
+    return gq, gg
 
 
 class _Phase1(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, blocks, queries, norm_weights, eps):
-        lib = _library()[0]
+    def forward(ctx, blocks, queries, norm_weights, eps, grad_into):
         n, dim, s = blocks.shape[0], blocks.shape[-1], queries.shape[0]
         batch = blocks.shape[1:-1]
-        b = _f32(blocks, (n, -1, dim))
-        tokens = b.shape[1]
-        u = _u_padded(queries, norm_weights)
-        out1, lse = b.new_empty(s, tokens, dim), b.new_empty(s, tokens)
+        b, q, g = _f32(blocks), _f32(queries), _f32(norm_weights)
+        tokens = b.numel() // (n * dim)
+        out1, lse = b.new_empty(s, *batch, dim), b.new_empty(s, *batch)
         logits, rstd = b.new_empty(tokens, n, s), b.new_empty(tokens, n)
-        lib.phase1_forward(
-            _ptr(b), _ptr(u), n, tokens, dim, s, eps, _ptr(out1), _ptr(lse), _ptr(logits),
-            _ptr(rstd), torch.get_num_threads(),
+        _call(
+            "phase1_fwd", _ptr(b), _ptr(q), _ptr(g), n, tokens, dim, s, eps, _ptr(out1),
+            _ptr(lse), _ptr(logits), _ptr(rstd), torch.get_num_threads(),
         )  # fmt: skip
         # logits and key statistics (S / D and 1 / D of the blocks' size): the backward then
         # reads each block row once, for its products with the output gradient
         ctx.save_for_backward(blocks, queries, norm_weights, lse, logits, rstd)
+        ctx.grad_into = grad_into if blocks.dtype == torch.float32 else None
         ctx.set_materialize_grads(False)
-        return out1.view(s, *batch, dim), lse.view(s, *batch)
+        return out1, lse
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out1, grad_lse):
         blocks, queries, norm_weights, lse, logits, rstd = ctx.saved_tensors
         if grad_out1 is None and grad_lse is None:
-            return None, None, None, None
-        lib = _library()[0]
+            return None, None, None, None, None
         n, dim, s = blocks.shape[0], blocks.shape[-1], queries.shape[0]
-        b = _f32(blocks, (n, -1, dim))
-        tokens = b.shape[1]
-        u = _u_padded(queries, norm_weights)
-        g = None if grad_out1 is None else _f32(grad_out1, (s, tokens, dim))
-        gl = None if grad_lse is None else _f32(grad_lse, (s, tokens))
+        b, q, g = _f32(blocks), _f32(queries), _f32(norm_weights)
+        tokens = b.numel() // (n * dim)
+        go = None if grad_out1 is None else _f32(grad_out1)
+        gl = None if grad_lse is None else _f32(grad_lse)
         need_b, need_q, need_g = ctx.needs_input_grad[:3]
-        gb = torch.empty_like(b) if need_b else None
-        threads = torch.get_num_threads()
-        du_part = b.new_zeros(threads, u.shape[0], dim)
-        lib.phase1_backward(
-            _ptr(b), _ptr(u), _ptr(lse), _ptr(logits), _ptr(rstd), _ptr(g), _ptr(gl), n,
-            tokens, dim, s, _ptr(gb), 0, _ptr(du_part), threads,
+        into = ctx.grad_into() if need_b and ctx.grad_into is not None else None
+        gb = into if into is not None else torch.empty_like(b) if need_b else None
+        gq, gg = _param_grads(queries, norm_weights, need_q, need_g)
+        _call(
+            "phase1_bwd", _ptr(b), _ptr(q), _ptr(g), _ptr(lse), _ptr(logits), _ptr(rstd),
+            _ptr(go), _ptr(gl), n, tokens, dim, s, _ptr(gb), int(into is not None), _ptr(gq),
+            _ptr(gg), torch.get_num_threads(),
         )  # fmt: skip
-        grad_b = None if gb is None else _cast(gb, blocks.dtype).view(blocks.shape)
-        grad_q, grad_g = _query_gain_grads(du_part[:, :s], queries, norm_weights, need_q, need_g)
-        return grad_b, grad_q, grad_g, None
+        grad_b = None if gb is None or into is not None else _cast(gb, blocks.dtype)
+        grad_q = None if gq is None else _cast(gq, queries.dtype)
+        grad_g = None if gg is None else _cast(gg, norm_weights.dtype)
+        return grad_b, grad_q, grad_g, None, None
 
 
 class _Merge1(torch.autograd.Function):
-    """Phase 2 with one extra source: ``lerp(out1, e, sigmoid(le - lse))``; saves ``[T]``
+    """Phase 2 with one extra source: ``lerp(out1, e, sigmoid(le - lse))``; saves ``[3, T]``
     floats (the weight, the logit and the key statistic of ``e``) beyond its inputs. Kept
     beside the general ``_Merge``, which gives the same result: on Block's hot path it takes
     0.62 of the general kernel's time (one exponential per token instead of four, and a log)."""
 
     @staticmethod
     def forward(ctx, out1, lse, extra, query, norm_weight, eps):
-        lib = _library()[0]
         dim = extra.shape[-1]
-        e = _f32(extra, (-1, dim))
-        tokens = e.shape[0]
-        o1, l1 = _f32(out1, e.shape), _f32(lse, (tokens,))
-        u = _u(query, norm_weight)
-        out = torch.empty_like(e)
-        a, le, r = e.new_empty(3, tokens).unbind(0)
-        lib.merge1_forward(
-            _ptr(o1), _ptr(l1), _ptr(e), _ptr(u), tokens, dim, eps, _ptr(out), _ptr(a),
-            _ptr(le), _ptr(r), torch.get_num_threads(),
+        e, o1, l1 = _f32(extra), _f32(out1), _f32(lse)
+        q, g = _f32(query), _f32(norm_weight)
+        tokens = e.numel() // dim
+        out, stats = e.new_empty(extra.shape[1:]), e.new_empty(3, tokens)
+        _call(
+            "merge1_fwd", _ptr(o1), _ptr(l1), _ptr(e), _ptr(q), _ptr(g), tokens, dim, eps,
+            _ptr(out), _ptr(stats), torch.get_num_threads(),
         )  # fmt: skip
-        ctx.save_for_backward(out1, extra, query, norm_weight, a, le, r)
+        ctx.save_for_backward(out1, extra, query, norm_weight, stats)
         ctx.lse_dtype = lse.dtype
         ctx.set_materialize_grads(False)
-        return _cast(out, extra.dtype).view(extra.shape[1:])
+        return _cast(out, extra.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        out1, extra, query, norm_weight, a, le, r = ctx.saved_tensors
+        out1, extra, query, norm_weight, stats = ctx.saved_tensors
         if grad_out is None:
             return None, None, None, None, None, None
-        lib = _library()[0]
         dim = extra.shape[-1]
-        e = _f32(extra, (-1, dim))
-        tokens = e.shape[0]
-        o1, g = _f32(out1, e.shape), _f32(grad_out, e.shape)
-        u = _u(query, norm_weight)
+        e, o1, go = _f32(extra), _f32(out1), _f32(grad_out)
+        q, g = _f32(query), _f32(norm_weight)
+        tokens = e.numel() // dim
         need = ctx.needs_input_grad
-        go1, glse, ge, du_part, threads = _merge_grad_buffers(o1, e, need)
-        lib.merge1_backward(
-            _ptr(o1), _ptr(e), _ptr(u), _ptr(a), _ptr(le), _ptr(r), _ptr(g), tokens, dim,
-            _ptr(go1), _ptr(glse), _ptr(ge), _ptr(du_part), threads,
+        go1 = torch.empty_like(o1) if need[0] else None
+        glse, ge = o1.new_empty(out1.shape[:-1]), torch.empty_like(e) if need[2] else None
+        gq, gg = _param_grads(query, norm_weight, need[3], need[4])
+        _call(
+            "merge1_bwd", _ptr(o1), _ptr(e), _ptr(q), _ptr(g), _ptr(stats), _ptr(go), tokens,
+            dim, _ptr(go1), _ptr(glse), _ptr(ge), _ptr(gq), _ptr(gg), torch.get_num_threads(),
         )  # fmt: skip
-        grad_o1 = None if go1 is None else _cast(go1, out1.dtype).view(out1.shape)
-        grad_l1 = _cast(glse, ctx.lse_dtype).view(out1.shape[:-1]) if need[1] else None
-        grad_e = None if ge is None else _cast(ge, extra.dtype).view(extra.shape)
-        grad_q, grad_g = _query_gain_grads(du_part, query, norm_weight, need[3], need[4])
-        return grad_o1, grad_l1, grad_e, grad_q, grad_g, None
+        return (
+            None if go1 is None else _cast(go1, out1.dtype),
+            _cast(glse, ctx.lse_dtype) if need[1] else None,
+            None if ge is None else _cast(ge, extra.dtype),
+            None if gq is None else _cast(gq, query.dtype),
+            None if gg is None else _cast(gg, norm_weight.dtype),
+            None,
+        )
 
 
 class _Merge(torch.autograd.Function):
     """Phase 2 with ``m >= 2`` extra sources (Full AttnRes: the group's earlier outputs);
-    saves the extras' logits and key statistics (``[m, T]``) and the total log-sum-exp."""
+    saves the extras' logits and key statistics and the total log-sum-exp (``[2 m + 1, T]``)."""
 
     @staticmethod
     def forward(ctx, out1, lse, extra, query, norm_weight, eps):
-        lib = _library()[0]
         m, dim = extra.shape[0], extra.shape[-1]
-        e = _f32(extra, (m, -1, dim))
-        tokens = e.shape[1]
-        o1, l1 = _f32(out1, (tokens, dim)), _f32(lse, (tokens,))
-        u = _u(query, norm_weight)
-        out = o1.new_empty(tokens, dim)
-        le, r, total = e.new_empty(m, tokens), e.new_empty(m, tokens), e.new_empty(tokens)
-        lib.merge_forward(
-            _ptr(o1), _ptr(l1), _ptr(e), _ptr(u), m, tokens, dim, eps, _ptr(out), _ptr(le),
-            _ptr(r), _ptr(total), torch.get_num_threads(),
+        e, o1, l1 = _f32(extra), _f32(out1), _f32(lse)
+        q, g = _f32(query), _f32(norm_weight)
+        tokens = o1.numel() // dim
+        out, stats = o1.new_empty(extra.shape[1:]), e.new_empty(2 * m + 1, tokens)
+        _call(
+            "merge_fwd", _ptr(o1), _ptr(l1), _ptr(e), _ptr(q), _ptr(g), m, tokens, dim, eps,
+            _ptr(out), _ptr(stats), torch.get_num_threads(),
         )  # fmt: skip
-        ctx.save_for_backward(out1, lse, extra, query, norm_weight, le, r, total)
+        ctx.save_for_backward(out1, lse, extra, query, norm_weight, stats)
         ctx.set_materialize_grads(False)
-        return _cast(out, extra.dtype).view(extra.shape[1:])
+        return _cast(out, extra.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        out1, lse, extra, query, norm_weight, le, r, total = ctx.saved_tensors
+        out1, lse, extra, query, norm_weight, stats = ctx.saved_tensors
         if grad_out is None:
             return None, None, None, None, None, None
-        lib = _library()[0]
         m, dim = extra.shape[0], extra.shape[-1]
-        e = _f32(extra, (m, -1, dim))
-        tokens = e.shape[1]
-        o1, l1 = _f32(out1, (tokens, dim)), _f32(lse, (tokens,))
-        g = _f32(grad_out, (tokens, dim))
-        u = _u(query, norm_weight)
+        e, o1, l1, go = _f32(extra), _f32(out1), _f32(lse), _f32(grad_out)
+        q, g = _f32(query), _f32(norm_weight)
+        tokens = o1.numel() // dim
         need = ctx.needs_input_grad
-        go1, glse, ge, du_part, threads = _merge_grad_buffers(o1, e, need)
-        lib.merge_backward(
-            _ptr(o1), _ptr(l1), _ptr(e), _ptr(u), _ptr(le), _ptr(r), _ptr(total), _ptr(g), m,
-            tokens, dim, _ptr(go1), _ptr(glse), _ptr(ge), _ptr(du_part), threads,
+        go1 = torch.empty_like(o1) if need[0] else None
+        glse, ge = o1.new_empty(lse.shape), torch.empty_like(e) if need[2] else None
+        gq, gg = _param_grads(query, norm_weight, need[3], need[4])
+        _call(
+            "merge_bwd", _ptr(o1), _ptr(l1), _ptr(e), _ptr(q), _ptr(g), _ptr(stats), _ptr(go), m,
+            tokens, dim, _ptr(go1), _ptr(glse), _ptr(ge), _ptr(gq), _ptr(gg),
+            torch.get_num_threads(),
         )  # fmt: skip
-        grad_o1 = None if go1 is None else _cast(go1, out1.dtype).view(out1.shape)
-        grad_l1 = _cast(glse, lse.dtype).view(lse.shape) if need[1] else None
-        grad_e = None if ge is None else _cast(ge, extra.dtype).view(extra.shape)
-        grad_q, grad_g = _query_gain_grads(du_part, query, norm_weight, need[3], need[4])
-        return grad_o1, grad_l1, grad_e, grad_q, grad_g, None
+        return (
+            None if go1 is None else _cast(go1, out1.dtype),
+            _cast(glse, lse.dtype) if need[1] else None,
+            None if ge is None else _cast(ge, extra.dtype),
+            None if gq is None else _cast(gq, query.dtype),
+            None if gg is None else _cast(gg, norm_weight.dtype),
+            None,
+        )
 
 
 def phase1(
-    blocks: Tensor, queries: Tensor, norm_weights: Tensor, eps: float = 1e-6
+    blocks: Tensor,
+    queries: Tensor,
+    norm_weights: Tensor,
+    eps: float = 1e-6,
+    grad_into: Callable[[], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """:func:`attnres_dist.ops.two_phase.phase1` through the fused kernel."""
+    """:func:`attnres_dist.ops.two_phase.phase1` through the fused kernel. ``grad_into``: where
+    the backward adds the blocks' gradient instead of returning it (float32 blocks only; a
+    contiguous tensor whose leading rows have the blocks' layout, see ``attnres_dist.ops``)."""
     two_phase.check_phase1(blocks, queries, norm_weights)
     if not _runs_here(blocks, queries, norm_weights):
         return two_phase.phase1(blocks, queries, norm_weights, eps)
-    return _Phase1.apply(blocks, queries, norm_weights, eps)
+    return _Phase1.apply(blocks, queries, norm_weights, eps, grad_into)
 
 
 def phase2(

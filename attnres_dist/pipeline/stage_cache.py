@@ -40,7 +40,7 @@ from collections import defaultdict
 
 import torch
 
-from attnres_dist.model.depth_state import DepthState, _alias
+from attnres_dist.model.depth_state import DepthState, StoreBuffer, _alias
 from attnres_dist.pipeline.contract import check_payload, pack
 from attnres_dist.pipeline.stage_cache_plan import CachePlan
 
@@ -50,26 +50,32 @@ class CacheLeakError(RuntimeError):
 
 
 class _Assemble(torch.autograd.Function):
-    """The store ``[cached..., received...]`` written into ``buffer``, returned as an alias.
+    """The store ``[cached..., received...]`` written into ``buffer`` (a ``StoreBuffer``),
+    returned as an alias.
 
-    The backward hands each cached leaf a gradient tensor of its own (a view of the store's
-    gradient would keep the whole ``[c, s, b, h]`` storage alive in the stash) and the
-    received rows a view, which flows into the received payload's gradient.
+    Its rows' gradient is the buffer's (readers add theirs there, ``model/depth_state.py``)
+    plus what reached the store through autograd. The backward hands each cached leaf a
+    gradient tensor of its own (a view would keep the whole ``[c, s, b, h]`` storage alive in
+    the stash) and the received rows a view, which flows into the received payload's gradient.
     """
 
     @staticmethod
-    def forward(ctx, buffer, received, *cached):
+    def forward(ctx, buffer: StoreBuffer, received, *cached):
         n = len(cached)
         for i, block in enumerate(cached):
-            buffer[i].copy_(block)
-        buffer[n : n + received.shape[0]].copy_(received)
-        ctx.n = n
-        return _alias(buffer, n + received.shape[0])
+            buffer.data[i].copy_(block)
+        rows = n + received.shape[0]
+        buffer.data[n:rows].copy_(received)
+        ctx.n, ctx.rows, ctx.buffer = n, rows, buffer
+        ctx.set_materialize_grads(False)
+        return _alias(buffer.data, rows)
 
     @staticmethod
     def backward(ctx, grad):
-        n = ctx.n
-        return (None, grad[n:], *(grad[i].clone() for i in range(n)))
+        n, acc = ctx.n, ctx.buffer.grad()[: ctx.rows]
+        if grad is not None:
+            acc += grad
+        return (None, acc[n:], *(acc[i].clone() for i in range(n)))
 
 
 class CachedBoundary:
@@ -151,7 +157,7 @@ class CachedBoundary:
         else:
             end = layers + len(lay.layers_of(chunk))
             rows = max(self.block_plan.boundary_width(end), completed)
-            buffer = payload.new_empty((rows, *payload.shape[1:]))
+            buffer = StoreBuffer(payload.new_empty((rows, *payload.shape[1:])))
             store = _Assemble.apply(buffer, payload[:fresh], *cached)
             state = DepthState(store, partial, layers, None, buffer)
         for e in self._by_source[chunk]:

@@ -17,6 +17,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* Eight-float vectors (GCC / clang vector extensions: AVX2 / AVX-512VL registers on x86, two
@@ -124,7 +125,7 @@ static void token_logits(const float *b, int64_t row_stride, int n, int D, const
 #define PADV(x) (((x) + VW - 1) & ~(VW - 1))
 
 /* Writes out1, lse and, for the backward, the key statistics r [T, n] and logits [T, n, S]. */
-void phase1_forward(const float *b, const float *u, int n, int64_t T, int D, int S, float eps,
+static void phase1_forward(const float *b, const float *u, int n, int64_t T, int D, int S, float eps,
                     float *out1, float *lse, float *logits, float *rstd, int threads) {
     const int64_t rs = T * D;
     const int S4 = PAD4(S);
@@ -197,7 +198,7 @@ void phase1_forward(const float *b, const float *u, int n, int64_t T, int D, int
  * dlogit_lj = p_lj (<G_l, b_j> - sum_j' p_lj' <G_l, b_j'> + dlse_l), draw = r_j dlogit;
  * du_l = sum_{t, j} draw_lj b_j, accumulated per thread into du_part[thread] ([S4, D]).
  * accumulate: gb += d b (a gradient buffer other reads add into) instead of gb = d b. */
-void phase1_backward(const float *b, const float *u, const float *lse, const float *logits,
+static void phase1_backward(const float *b, const float *u, const float *lse, const float *logits,
                      const float *rstd, const float *G, const float *glse, int n, int64_t T,
                      int D, int S, float *gb, int accumulate, float *du_part, int threads) {
     const int64_t rs = T * D;
@@ -300,7 +301,7 @@ void phase1_backward(const float *b, const float *u, const float *lse, const flo
 }
 
 /* out = lerp(o1, e, a), a = sigmoid(le - lse), le = r <e, u>: saves a, le, r ([T] each). */
-void merge1_forward(const float *o1, const float *lse, const float *e, const float *u,
+static void merge1_forward(const float *o1, const float *lse, const float *e, const float *u,
                     int64_t T, int D, float eps, float *out, float *a_out, float *le_out,
                     float *r_out, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -320,7 +321,7 @@ void merge1_forward(const float *o1, const float *lse, const float *e, const flo
 
 /* d a = <G, e - o1>, d le = a (1 - a) d a; d o1 = G (1 - a), d lse = -d le,
  * d e = G a + r d le u - r^2 / D d le le e, du = sum_t r d le e (per thread). */
-void merge1_backward(const float *o1, const float *e, const float *u, const float *a_in,
+static void merge1_backward(const float *o1, const float *e, const float *u, const float *a_in,
                      const float *le_in, const float *r_in, const float *G, int64_t T, int D,
                      float *go1, float *glse, float *ge, float *du_part, int threads) {
 #pragma omp parallel num_threads(threads)
@@ -354,7 +355,7 @@ void merge1_backward(const float *o1, const float *e, const float *u, const floa
 /* Phase 2 with m extra sources e_k ([m, T, D]): le_k = r_k <e_k, u>,
  * total = logaddexp(lse, logsumexp_k le_k), out = exp(lse - total) o1 + sum_k exp(le_k - total) e_k.
  * Saves r and le ([m, T]) and total ([T]). */
-void merge_forward(const float *o1, const float *lse, const float *e, const float *u, int m,
+static void merge_forward(const float *o1, const float *lse, const float *e, const float *u, int m,
                    int64_t T, int D, float eps, float *out, float *le_out, float *r_out,
                    float *total_out, int threads) {
     const int64_t rs = T * D;
@@ -387,7 +388,7 @@ void merge_forward(const float *o1, const float *lse, const float *e, const floa
 /* d a0 = <G, o1>, d a_k = <G, e_k>, c = a0 d a0 + sum_k a_k d a_k; d lse = a0 (d a0 - c),
  * d le_k = a_k (d a_k - c); d o1 = a0 G; d e_k = a_k G + r_k d le_k u - r_k^2 / D d le_k le_k e_k;
  * du = sum_{t, k} r_k d le_k e_k (per thread). */
-void merge_backward(const float *o1, const float *lse, const float *e, const float *u,
+static void merge_backward(const float *o1, const float *lse, const float *e, const float *u,
                     const float *le_in, const float *r_in, const float *total_in, const float *G,
                     int m, int64_t T, int D, float *go1, float *glse, float *ge, float *du_part,
                     int threads) {
@@ -428,4 +429,100 @@ void merge_backward(const float *o1, const float *lse, const float *e, const flo
             }
         }
     }
+}
+
+/* The exported entry points take the queries q and key gains g ([S, D] or [D]) as they are and
+ * return their gradients: u = g * q is formed here and dL/du (summed over the threads' parts in
+ * a fixed order) turned into dL/dq = dL/du * g and dL/dg = dL/du * q, so a call dispatches no
+ * torch op around the kernel. gq / gg may be NULL (not needed). */
+static float *products(const float *q, const float *g, int S, int rows, int D) {
+    float *u = calloc((size_t)rows * D, sizeof(float));
+    for (int64_t i = 0; u && i < (int64_t)S * D; ++i) u[i] = g[i] * q[i];
+    return u;
+}
+
+static void query_gain_grads(const float *du_part, int parts, int S, int rows, int D,
+                             const float *q, const float *g, float *gq, float *gg) {
+    for (int64_t i = 0; i < (int64_t)S * D; ++i) {
+        float du = 0.f;
+        for (int k = 0; k < parts; ++k) du += du_part[(int64_t)k * rows * D + i];
+        if (gq) gq[i] = du * g[i];
+        if (gg) gg[i] = du * q[i];
+    }
+}
+
+/* Returns 0, or -1 when the small work buffers cannot be allocated. */
+int phase1_fwd(const float *b, const float *q, const float *g, int n, int64_t T, int D, int S,
+               float eps, float *out1, float *lse, float *logits, float *rstd, int threads) {
+    float *u = products(q, g, S, PAD4(S), D);
+    if (!u) return -1;
+    phase1_forward(b, u, n, T, D, S, eps, out1, lse, logits, rstd, threads);
+    free(u);
+    return 0;
+}
+
+int phase1_bwd(const float *b, const float *q, const float *g, const float *lse,
+               const float *logits, const float *rstd, const float *G, const float *glse, int n,
+               int64_t T, int D, int S, float *gb, int accumulate, float *gq, float *gg,
+               int threads) {
+    const int S4 = PAD4(S);
+    float *u = products(q, g, S, S4, D), *du = calloc((size_t)threads * S4 * D, sizeof(float));
+    if (u && du) {
+        phase1_backward(b, u, lse, logits, rstd, G, glse, n, T, D, S, gb, accumulate, du,
+                        threads);
+        query_gain_grads(du, threads, S, S4, D, q, g, gq, gg);
+    }
+    const int ok = u && du;
+    free(u);
+    free(du);
+    return ok ? 0 : -1;
+}
+
+int merge1_fwd(const float *o1, const float *lse, const float *e, const float *q, const float *g,
+               int64_t T, int D, float eps, float *out, float *stats, int threads) {
+    float *u = products(q, g, 1, 1, D);
+    if (!u) return -1;
+    merge1_forward(o1, lse, e, u, T, D, eps, out, stats, stats + T, stats + 2 * T, threads);
+    free(u);
+    return 0;
+}
+
+int merge1_bwd(const float *o1, const float *e, const float *q, const float *g,
+               const float *stats, const float *G, int64_t T, int D, float *go1, float *glse,
+               float *ge, float *gq, float *gg, int threads) {
+    float *u = products(q, g, 1, 1, D), *du = calloc((size_t)threads * D, sizeof(float));
+    if (u && du) {
+        merge1_backward(o1, e, u, stats, stats + T, stats + 2 * T, G, T, D, go1, glse, ge, du,
+                        threads);
+        query_gain_grads(du, threads, 1, 1, D, q, g, gq, gg);
+    }
+    const int ok = u && du;
+    free(u);
+    free(du);
+    return ok ? 0 : -1;
+}
+
+int merge_fwd(const float *o1, const float *lse, const float *e, const float *q, const float *g,
+              int m, int64_t T, int D, float eps, float *out, float *stats, int threads) {
+    float *u = products(q, g, 1, 1, D);
+    if (!u) return -1;
+    merge_forward(o1, lse, e, u, m, T, D, eps, out, stats, stats + (int64_t)m * T,
+                  stats + 2 * (int64_t)m * T, threads);
+    free(u);
+    return 0;
+}
+
+int merge_bwd(const float *o1, const float *lse, const float *e, const float *q, const float *g,
+              const float *stats, const float *G, int m, int64_t T, int D, float *go1,
+              float *glse, float *ge, float *gq, float *gg, int threads) {
+    float *u = products(q, g, 1, 1, D), *du = calloc((size_t)threads * D, sizeof(float));
+    if (u && du) {
+        merge_backward(o1, lse, e, u, stats, stats + (int64_t)m * T, stats + 2 * (int64_t)m * T,
+                       G, m, T, D, go1, glse, ge, du, threads);
+        query_gain_grads(du, threads, 1, 1, D, q, g, gq, gg);
+    }
+    const int ok = u && du;
+    free(u);
+    free(du);
+    return ok ? 0 : -1;
 }
