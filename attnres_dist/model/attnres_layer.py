@@ -97,7 +97,8 @@ class AttnResLayer(torch.nn.Module):
             mixer = self.attn_mixer if first else self.mlp_mixer
             if mixer.two_phase:
                 state = self.segments[sublayer].begin(state)  # phase 1 at the segment's start
-                inputs = (*merge_inputs(state, sublayer), state.store.dtype)
+                out1, lse, extra, into = merge_inputs(state, sublayer, mixer.grad_into)
+                inputs = (out1, lse, extra, state.store.dtype, into)
                 if self.recompute == "attnres" and torch.is_grad_enabled():
                     normed = checkpoint(lambda *a: norm(mixer.merge(*a)), *inputs)
                 else:

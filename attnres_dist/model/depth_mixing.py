@@ -53,16 +53,23 @@ class DepthMixer(torch.nn.Module):
     def two_phase(self) -> bool:
         return self._op.two_phase
 
+    @property
+    def grad_into(self) -> bool:
+        return self._op.grad_into
+
     def forward(self, sources, return_weights: bool = False):
         return self._op(
             self.query, sources, self.key_norm_weight, eps=self.eps, return_weights=return_weights
         )
 
-    def merge(self, out1: torch.Tensor, lse: torch.Tensor, extra, dtype: torch.dtype):
-        """Phase 2: this sublayer's phase-1 slice merged with ``extra`` (None: nothing)."""
+    def merge(self, out1: torch.Tensor, lse: torch.Tensor, extra, dtype: torch.dtype, into=None):
+        """Phase 2: this sublayer's phase-1 slice merged with ``extra`` (None: nothing);
+        ``into``: where the op adds the extras' gradient (``grad_into``), or None."""
         if extra is None:
             return out1.to(dtype)
-        return self._op.phase2(out1, lse, extra, self.query, self.key_norm_weight, eps=self.eps)
+        kw = {} if into is None else {"grad_into": into}
+        q, g = self.query, self.key_norm_weight
+        return self._op.phase2(out1, lse, extra, q, g, eps=self.eps, **kw)
 
     def attend_store(self, state: DepthState) -> torch.Tensor:
         """The whole two-phase mix for this mixer alone (the final aggregation)."""
@@ -108,9 +115,7 @@ class Segment:
         store = state.store
         # the store's rows gather their gradient in its buffer where the kernel can add to it
         buffer = state.buffer
-        into = {}
-        if op.grad_into and buffer is not None and buffer.holds(store):
-            into = {"grad_into": buffer.grad}
+        into = {"grad_into": buffer.grad} if op.grad_into and _holds(state) else {}
         if store.shape[0] != self.rows:  # a cut inside a Full group (slicing has a cost)
             store = store[: self.rows]
         out1, lse = op.phase1(store, queries, gains, eps=eps, **into)
@@ -120,13 +125,21 @@ class Segment:
         return replace(state, phase1=cache)
 
 
-def merge_inputs(state: DepthState, sublayer: int):
-    """(out1, lse, extra) of ``sublayer`` from the state's phase-1 results; extra may be None."""
+def merge_inputs(state: DepthState, sublayer: int, grad_into: bool = False):
+    """(out1, lse, extra, into) of ``sublayer`` from the state's phase-1 results: extra may be
+    None; ``into`` (None unless ``grad_into``, the op's capability) gives the gradient rows of
+    an extra that is a range of store rows, for the op to add that extra's gradient to."""
     cache = state.phase1
     k = sublayer - cache.first
+    later = state.num_completed - cache.rows  # Full: the group's outputs, in the store
+    if later and state.partial is None and grad_into and _holds(state):
+        # read in place: their gradient goes to the buffer, so no slice backpropagates a
+        # zero-filled gradient of the whole store
+        rows, buffer = slice(cache.rows, state.num_completed), state.buffer
+        return cache.out1[k], cache.lse[k], state.store[rows], lambda: buffer.grad()[rows]
     extra = []
     closed = cache.closed
-    received = state.num_completed - cache.rows - len(closed)
+    received = later - len(closed)
     if received:  # Full: the group's earlier outputs that came with the state (a cut)
         extra.append(state.store[cache.rows : cache.rows + received])
     if closed:  # Full: the group's outputs closed since the segment began
@@ -134,7 +147,11 @@ def merge_inputs(state: DepthState, sublayer: int):
     if state.partial is not None:  # Block: the partial block
         extra.append(state.partial.unsqueeze(0))
     extra = None if not extra else extra[0] if len(extra) == 1 else torch.cat(extra)
-    return cache.out1[k], cache.lse[k], extra
+    return cache.out1[k], cache.lse[k], extra, None
+
+
+def _holds(state: DepthState) -> bool:
+    return state.buffer is not None and state.buffer.holds(state.store)
 
 
 def configure_segments(layers: list, plan: BlockPlan) -> None:

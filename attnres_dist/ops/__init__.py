@@ -8,9 +8,10 @@ completed blocks for several sublayers at once, and
 ``phase2(out1, lse, extra, query, norm_weight, eps) -> out`` merging the sources not in the
 store by online softmax). ``requirement()`` says why an implementation cannot run here (None
 when it can), so a config asking for it is refused with that reason. An implementation with
-``grad_into`` set also takes ``phase1(..., grad_into=f)``: ``f()`` gives a float32 tensor whose
-leading ``n`` rows (the blocks' layout) the backward adds the blocks' gradient to, instead of
-returning it (the model's store buffer gathers its rows' gradient so, in one tensor).
+``grad_into`` set also takes ``phase1(..., grad_into=f)`` and ``phase2(..., grad_into=f)``:
+``f()`` gives a float32 tensor of the blocks' (the extras') layout that the backward adds their
+gradient to, instead of returning it (the model's store buffer gathers its rows' gradient so,
+in one tensor).
 
 ``"lean"`` is the memory-lean one-pass autograd function, ``"reference"`` the plain-autograd
 ground truth, ``"twophase"`` the two-phase computation in torch ops

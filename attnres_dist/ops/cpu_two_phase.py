@@ -43,9 +43,9 @@ _SIGNATURES = {  # exported entry points; each returns 0, or -1 out of memory
     "phase1_fwd": (_P, _P, _P, _I, _L, _I, _I, _F, _P, _P, _P, _P, _I),
     "phase1_bwd": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _L, _I, _I, _P, _I, _P, _P, _I),
     "merge1_fwd": (_P, _P, _P, _P, _P, _L, _I, _F, _P, _P, _I),
-    "merge1_bwd": (_P, _P, _P, _P, _P, _P, _L, _I, _P, _P, _P, _P, _P, _I),
+    "merge1_bwd": (_P, _P, _P, _P, _P, _P, _L, _I, _P, _P, _P, _I, _P, _P, _I),
     "merge_fwd": (_P, _P, _P, _P, _P, _I, _L, _I, _F, _P, _P, _I),
-    "merge_bwd": (_P, _P, _P, _P, _P, _P, _P, _I, _L, _I, _P, _P, _P, _P, _P, _I),
+    "merge_bwd": (_P, _P, _P, _P, _P, _P, _P, _I, _L, _I, _P, _P, _P, _I, _P, _P, _I),
 }
 
 
@@ -153,6 +153,15 @@ def _param_grads(query: Tensor, norm_weight: Tensor, need_q: bool, need_g: bool)
     return gq, gg
 
 
+def _extra_grad(ctx, e: Tensor, needed: bool) -> tuple[Tensor | None, bool]:
+    """(where a merge backward writes the extras' gradient, whether it adds to ``grad_into``)."""
+    if not needed:
+        return None, False
+    if ctx.grad_into is not None:
+        return ctx.grad_into(), True
+    return torch.empty_like(e), False
+
+
 class _Phase1(torch.autograd.Function):
     @staticmethod
     def forward(ctx, blocks, queries, norm_weights, eps, grad_into):
@@ -206,7 +215,7 @@ class _Merge1(torch.autograd.Function):
     0.62 of the general kernel's time (one exponential per token instead of four, and a log)."""
 
     @staticmethod
-    def forward(ctx, out1, lse, extra, query, norm_weight, eps):
+    def forward(ctx, out1, lse, extra, query, norm_weight, eps, grad_into):
         dim = extra.shape[-1]
         e, o1, l1 = _f32(extra), _f32(out1), _f32(lse)
         q, g = _f32(query), _f32(norm_weight)
@@ -217,6 +226,7 @@ class _Merge1(torch.autograd.Function):
             _ptr(out), _ptr(stats), torch.get_num_threads(),
         )  # fmt: skip
         ctx.save_for_backward(out1, extra, query, norm_weight, stats)
+        ctx.grad_into = grad_into if extra.dtype == torch.float32 else None
         ctx.lse_dtype = lse.dtype
         ctx.set_materialize_grads(False)
         return _cast(out, extra.dtype)
@@ -226,25 +236,28 @@ class _Merge1(torch.autograd.Function):
     def backward(ctx, grad_out):
         out1, extra, query, norm_weight, stats = ctx.saved_tensors
         if grad_out is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         dim = extra.shape[-1]
         e, o1, go = _f32(extra), _f32(out1), _f32(grad_out)
         q, g = _f32(query), _f32(norm_weight)
         tokens = e.numel() // dim
         need = ctx.needs_input_grad
         go1 = torch.empty_like(o1) if need[0] else None
-        glse, ge = o1.new_empty(out1.shape[:-1]), torch.empty_like(e) if need[2] else None
+        glse = o1.new_empty(out1.shape[:-1])
+        ge, into = _extra_grad(ctx, e, need[2])
         gq, gg = _param_grads(query, norm_weight, need[3], need[4])
         _call(
             "merge1_bwd", _ptr(o1), _ptr(e), _ptr(q), _ptr(g), _ptr(stats), _ptr(go), tokens,
-            dim, _ptr(go1), _ptr(glse), _ptr(ge), _ptr(gq), _ptr(gg), torch.get_num_threads(),
+            dim, _ptr(go1), _ptr(glse), _ptr(ge), int(into), _ptr(gq), _ptr(gg),
+            torch.get_num_threads(),
         )  # fmt: skip
         return (
             None if go1 is None else _cast(go1, out1.dtype),
             _cast(glse, ctx.lse_dtype) if need[1] else None,
-            None if ge is None else _cast(ge, extra.dtype),
+            None if ge is None or into else _cast(ge, extra.dtype),
             None if gq is None else _cast(gq, query.dtype),
             None if gg is None else _cast(gg, norm_weight.dtype),
+            None,
             None,
         )
 
@@ -254,7 +267,7 @@ class _Merge(torch.autograd.Function):
     saves the extras' logits and key statistics and the total log-sum-exp (``[2 m + 1, T]``)."""
 
     @staticmethod
-    def forward(ctx, out1, lse, extra, query, norm_weight, eps):
+    def forward(ctx, out1, lse, extra, query, norm_weight, eps, grad_into):
         m, dim = extra.shape[0], extra.shape[-1]
         e, o1, l1 = _f32(extra), _f32(out1), _f32(lse)
         q, g = _f32(query), _f32(norm_weight)
@@ -265,6 +278,7 @@ class _Merge(torch.autograd.Function):
             _ptr(out), _ptr(stats), torch.get_num_threads(),
         )  # fmt: skip
         ctx.save_for_backward(out1, lse, extra, query, norm_weight, stats)
+        ctx.grad_into = grad_into if extra.dtype == torch.float32 else None
         ctx.set_materialize_grads(False)
         return _cast(out, extra.dtype)
 
@@ -273,26 +287,28 @@ class _Merge(torch.autograd.Function):
     def backward(ctx, grad_out):
         out1, lse, extra, query, norm_weight, stats = ctx.saved_tensors
         if grad_out is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         m, dim = extra.shape[0], extra.shape[-1]
         e, o1, l1, go = _f32(extra), _f32(out1), _f32(lse), _f32(grad_out)
         q, g = _f32(query), _f32(norm_weight)
         tokens = o1.numel() // dim
         need = ctx.needs_input_grad
         go1 = torch.empty_like(o1) if need[0] else None
-        glse, ge = o1.new_empty(lse.shape), torch.empty_like(e) if need[2] else None
+        glse = o1.new_empty(lse.shape)
+        ge, into = _extra_grad(ctx, e, need[2])
         gq, gg = _param_grads(query, norm_weight, need[3], need[4])
         _call(
             "merge_bwd", _ptr(o1), _ptr(l1), _ptr(e), _ptr(q), _ptr(g), _ptr(stats), _ptr(go), m,
-            tokens, dim, _ptr(go1), _ptr(glse), _ptr(ge), _ptr(gq), _ptr(gg),
+            tokens, dim, _ptr(go1), _ptr(glse), _ptr(ge), int(into), _ptr(gq), _ptr(gg),
             torch.get_num_threads(),
         )  # fmt: skip
         return (
             None if go1 is None else _cast(go1, out1.dtype),
             _cast(glse, lse.dtype) if need[1] else None,
-            None if ge is None else _cast(ge, extra.dtype),
+            None if ge is None or into else _cast(ge, extra.dtype),
             None if gq is None else _cast(gq, query.dtype),
             None if gg is None else _cast(gg, norm_weight.dtype),
+            None,
             None,
         )
 
@@ -314,15 +330,22 @@ def phase1(
 
 
 def phase2(
-    out1: Tensor, lse: Tensor, extra: Tensor, query: Tensor, norm_weight: Tensor, eps: float = 1e-6
+    out1: Tensor,
+    lse: Tensor,
+    extra: Tensor,
+    query: Tensor,
+    norm_weight: Tensor,
+    eps: float = 1e-6,
+    grad_into: Callable[[], Tensor] | None = None,
 ) -> Tensor:
     """:func:`attnres_dist.ops.two_phase.phase2` through the fused kernels (one extra source:
-    the two-way softmax; several: the general merge)."""
+    the two-way softmax; several: the general merge). ``grad_into``: as for :func:`phase1`,
+    for the extras' gradient."""
     two_phase.check_phase2(out1, lse, extra)
     if not _runs_here(out1, lse, extra, query, norm_weight):
         return two_phase.phase2(out1, lse, extra, query, norm_weight, eps)
     merge = _Merge1 if extra.shape[0] == 1 else _Merge
-    return merge.apply(out1, lse, extra, query, norm_weight, eps)
+    return merge.apply(out1, lse, extra, query, norm_weight, eps, grad_into)
 
 
 # one-pass depth attention from these phases (phase 1 over all but the last source)

@@ -322,8 +322,9 @@ static void merge1_forward(const float *o1, const float *lse, const float *e, co
 /* d a = <G, e - o1>, d le = a (1 - a) d a; d o1 = G (1 - a), d lse = -d le,
  * d e = G a + r d le u - r^2 / D d le le e, du = sum_t r d le e (per thread). */
 static void merge1_backward(const float *o1, const float *e, const float *u, const float *a_in,
-                     const float *le_in, const float *r_in, const float *G, int64_t T, int D,
-                     float *go1, float *glse, float *ge, float *du_part, int threads) {
+                            const float *le_in, const float *r_in, const float *G, int64_t T,
+                            int D, float *go1, float *glse, float *ge, int accumulate,
+                            float *du_part, int threads) {
 #pragma omp parallel num_threads(threads)
     {
         float *du = du_part + (int64_t)omp_get_thread_num() * D;
@@ -343,8 +344,13 @@ static void merge1_backward(const float *o1, const float *e, const float *u, con
             }
             if (ge) {
                 float *y = ge + t * D;
+                if (accumulate) {
 #pragma omp simd
-                for (int d = 0; d < D; ++d) y[d] = g[d] * a + draw * u[d] + coef * et[d];
+                    for (int d = 0; d < D; ++d) y[d] += g[d] * a + draw * u[d] + coef * et[d];
+                } else {
+#pragma omp simd
+                    for (int d = 0; d < D; ++d) y[d] = g[d] * a + draw * u[d] + coef * et[d];
+                }
             }
 #pragma omp simd
             for (int d = 0; d < D; ++d) du[d] += draw * et[d];
@@ -389,9 +395,9 @@ static void merge_forward(const float *o1, const float *lse, const float *e, con
  * d le_k = a_k (d a_k - c); d o1 = a0 G; d e_k = a_k G + r_k d le_k u - r_k^2 / D d le_k le_k e_k;
  * du = sum_{t, k} r_k d le_k e_k (per thread). */
 static void merge_backward(const float *o1, const float *lse, const float *e, const float *u,
-                    const float *le_in, const float *r_in, const float *total_in, const float *G,
-                    int m, int64_t T, int D, float *go1, float *glse, float *ge, float *du_part,
-                    int threads) {
+                           const float *le_in, const float *r_in, const float *total_in,
+                           const float *G, int m, int64_t T, int D, float *go1, float *glse,
+                           float *ge, int accumulate, float *du_part, int threads) {
     const int64_t rs = T * D;
 #pragma omp parallel num_threads(threads)
     {
@@ -421,8 +427,13 @@ static void merge_backward(const float *o1, const float *lse, const float *e, co
                 if (ge) {
                     float *y = ge + k * rs + t * D;
                     const float ak = a[k];
+                    if (accumulate) {
 #pragma omp simd
-                    for (int d = 0; d < D; ++d) y[d] = ak * g[d] + draw * u[d] + coef * x[d];
+                        for (int d = 0; d < D; ++d) y[d] += ak * g[d] + draw * u[d] + coef * x[d];
+                    } else {
+#pragma omp simd
+                        for (int d = 0; d < D; ++d) y[d] = ak * g[d] + draw * u[d] + coef * x[d];
+                    }
                 }
 #pragma omp simd
                 for (int d = 0; d < D; ++d) du[d] += draw * x[d];
@@ -434,7 +445,8 @@ static void merge_backward(const float *o1, const float *lse, const float *e, co
 /* The exported entry points take the queries q and key gains g ([S, D] or [D]) as they are and
  * return their gradients: u = g * q is formed here and dL/du (summed over the threads' parts in
  * a fixed order) turned into dL/dq = dL/du * g and dL/dg = dL/du * q, so a call dispatches no
- * torch op around the kernel. gq / gg may be NULL (not needed). */
+ * torch op around the kernel. gq / gg may be NULL (not needed); accumulate: the blocks' or
+ * extras' gradient is added to gb / ge (a gradient buffer other readers add to as well). */
 static float *products(const float *q, const float *g, int S, int rows, int D) {
     float *u = calloc((size_t)rows * D, sizeof(float));
     for (int64_t i = 0; u && i < (int64_t)S * D; ++i) u[i] = g[i] * q[i];
@@ -489,11 +501,11 @@ int merge1_fwd(const float *o1, const float *lse, const float *e, const float *q
 
 int merge1_bwd(const float *o1, const float *e, const float *q, const float *g,
                const float *stats, const float *G, int64_t T, int D, float *go1, float *glse,
-               float *ge, float *gq, float *gg, int threads) {
+               float *ge, int accumulate, float *gq, float *gg, int threads) {
     float *u = products(q, g, 1, 1, D), *du = calloc((size_t)threads * D, sizeof(float));
     if (u && du) {
-        merge1_backward(o1, e, u, stats, stats + T, stats + 2 * T, G, T, D, go1, glse, ge, du,
-                        threads);
+        merge1_backward(o1, e, u, stats, stats + T, stats + 2 * T, G, T, D, go1, glse, ge,
+                        accumulate, du, threads);
         query_gain_grads(du, threads, 1, 1, D, q, g, gq, gg);
     }
     const int ok = u && du;
@@ -514,11 +526,11 @@ int merge_fwd(const float *o1, const float *lse, const float *e, const float *q,
 
 int merge_bwd(const float *o1, const float *lse, const float *e, const float *q, const float *g,
               const float *stats, const float *G, int m, int64_t T, int D, float *go1,
-              float *glse, float *ge, float *gq, float *gg, int threads) {
+              float *glse, float *ge, int accumulate, float *gq, float *gg, int threads) {
     float *u = products(q, g, 1, 1, D), *du = calloc((size_t)threads * D, sizeof(float));
     if (u && du) {
         merge_backward(o1, lse, e, u, stats, stats + (int64_t)m * T, stats + 2 * (int64_t)m * T,
-                       G, m, T, D, go1, glse, ge, du, threads);
+                       G, m, T, D, go1, glse, ge, accumulate, du, threads);
         query_gain_grads(du, threads, 1, 1, D, q, g, gq, gg);
     }
     const int ok = u && du;
