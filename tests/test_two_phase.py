@@ -86,17 +86,23 @@ def naive_mix(sources: list[torch.Tensor], query, gain, eps=1e-6):
     return (torch.softmax(logits, 0).unsqueeze(-1) * v).sum(0), torch.logsumexp(logits, 0)
 
 
+# widths: 16; 13, not a multiple of the kernels' 8-float vectors; 500, whose 33 rows are more
+# than cpu_fused copies into a per-token tile
 @pytest.mark.parametrize("impl", TWO_PHASE)
-@pytest.mark.parametrize("n, s", [(1, 1), (2, 3), (9, 4), (17, 2), (5, 8), (3, 11)])
-def test_phase1_matches_naive_definition(impl, n, s):
+@pytest.mark.parametrize(
+    "n, s, dim",
+    [(1, 1, 16), (2, 3, 16), (9, 4, 16), (17, 2, 16), (5, 8, 16), (3, 11, 16), (4, 3, 13),
+     (33, 3, 500)],
+)  # fmt: skip
+def test_phase1_matches_naive_definition(impl, n, s, dim):
     op = get_depth_attention(impl)
     gen = torch.Generator().manual_seed(n * 10 + s)
-    blocks = torch.randn(n, 5, 2, 16, generator=gen).requires_grad_()
-    queries = (0.3 * torch.randn(s, 16, generator=gen)).requires_grad_()
-    gains = (1 + 0.3 * torch.randn(s, 16, generator=gen)).requires_grad_()
-    g_out, g_lse = torch.randn(s, 5, 2, 16, generator=gen), torch.randn(s, 5, 2, generator=gen)
+    blocks = torch.randn(n, 5, 2, dim, generator=gen).requires_grad_()
+    queries = (0.3 * torch.randn(s, dim, generator=gen)).requires_grad_()
+    gains = (1 + 0.3 * torch.randn(s, dim, generator=gen)).requires_grad_()
+    g_out, g_lse = torch.randn(s, 5, 2, dim, generator=gen), torch.randn(s, 5, 2, generator=gen)
     out1, lse = op.phase1(blocks, queries, gains)
-    assert out1.shape == (s, 5, 2, 16) and lse.shape == (s, 5, 2)
+    assert out1.shape == (s, 5, 2, dim) and lse.shape == (s, 5, 2)
     assert out1.dtype == lse.dtype == torch.float32
     loss = (out1 * g_out).sum() + (lse * g_lse).sum()
     grads = torch.autograd.grad(loss, [blocks, queries, gains])
@@ -106,8 +112,11 @@ def test_phase1_matches_naive_definition(impl, n, s):
     ref_out, ref_lse = torch.stack([r[0] for r in ref]), torch.stack([r[1] for r in ref])
     loss = (ref_out * g_out.double()).sum() + (ref_lse * g_lse.double()).sum()
     ref_grads = torch.autograd.grad(loss, [b, q, g])
+    # float32 rounding grows with the length of the dot products: both implementations are
+    # ~1.6e-6 from the float64 definition at width 500
+    tol = 1e-6 if dim <= 16 else 4e-6
     for a, e in zip([out1, lse, *grads], [ref_out, ref_lse, *ref_grads], strict=True):
-        assert rel_err(a, e) <= 1e-6
+        assert rel_err(a, e) <= tol
 
 
 @pytest.mark.parametrize("impl", TWO_PHASE)

@@ -83,13 +83,14 @@ static void exp_inplace(float *x, int len) {
     for (int i = 0; i < len; i += VW) vstore(x + i, vexp(vload(x + i)));
 }
 
-/* out[k] = <x, w_k> for four rows w_k, and *sq = <x, x> when sq is not NULL. */
+/* out[k] = <x, w_k> for four rows w_k; *sq = <x, x> and copy[d] = x[d] when they are not NULL. */
 static inline void dots4(const float *x, const float *w0, const float *w1, const float *w2,
-                         const float *w3, int D, float *out, float *sq) {
+                         const float *w3, int D, float *out, float *sq, float *copy) {
     vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, aq = {0};
     int d = 0;
     for (; d + VW <= D; d += VW) {
         const vf xv = vload(x + d);
+        if (copy) vstore(copy + d, xv);
         aq += xv * xv;
         a0 += xv * vload(w0 + d);
         a1 += xv * vload(w1 + d);
@@ -98,6 +99,7 @@ static inline void dots4(const float *x, const float *w0, const float *w1, const
     }
     float s0 = vsum(a0), s1 = vsum(a1), s2 = vsum(a2), s3 = vsum(a3), q = vsum(aq);
     for (; d < D; ++d) {
+        if (copy) copy[d] = x[d];
         q += x[d] * x[d];
         s0 += x[d] * w0[d];
         s1 += x[d] * w1[d];
@@ -107,6 +109,29 @@ static inline void dots4(const float *x, const float *w0, const float *w1, const
     out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
     if (sq) *sq = q;
 }
+
+/* Four-float vectors for per-token softmax bookkeeping over [n, S4] arrays (a row's queries
+ * in groups of four), and their elementwise maximum. */
+typedef float vf4 __attribute__((vector_size(16)));
+typedef int32_t vi4 __attribute__((vector_size(16)));
+
+static inline vf4 vload4(const float *p) {
+    vf4 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void vstore4(float *p, vf4 v) { memcpy(p, &v, sizeof v); }
+
+static inline vf4 vmax4(vf4 a, vf4 b) {
+    const vi4 gt = a > b;
+    return (vf4)(((vi4)a & gt) | ((vi4)b & ~gt));
+}
+
+/* A token's n rows lie T * D floats apart, the same address modulo 4 KiB: past the cache's
+ * associativity (~12 rows) they evict each other between a token's passes. The first pass
+ * copies them into a contiguous tile (when n D floats fit TILE_FLOATS) that the others read. */
+#define TILE_FLOATS 16384
 
 /* r[j] = rsqrt(mean(b_j^2) + eps) and logit[j * S + l] = r[j] <b_j, u_l> for one token. */
 static void token_logits(const float *b, int64_t row_stride, int n, int D, const float *u,
@@ -125,45 +150,55 @@ static void token_logits(const float *b, int64_t row_stride, int n, int D, const
 #define PADV(x) (((x) + VW - 1) & ~(VW - 1))
 
 /* Writes out1, lse and, for the backward, the key statistics r [T, n] and logits [T, n, S]. */
-static void phase1_forward(const float *b, const float *u, int n, int64_t T, int D, int S, float eps,
-                    float *out1, float *lse, float *logits, float *rstd, int threads) {
+static void phase1_forward(const float *b, const float *u, int n, int64_t T, int D, int S,
+                           float eps, float *out1, float *lse, float *logits, float *rstd,
+                           int threads) {
     const int64_t rs = T * D;
-    const int S4 = PAD4(S);
+    const int S4 = PAD4(S), tiled = (int64_t)n * D <= TILE_FLOATS;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < T; ++t) {
-        float p[PADV(n * S4)], mx[S4], sum[S4], sq;
+        float p[PADV(n * S4)], mx[S4], inv[S4], sq, tile[tiled ? n * D : 1];
         float *r = rstd + t * n, *logit = logits + t * n * S;
         const float *bt = b + t * D;
+        const float *xb = tiled ? tile : bt; /* rows after the first pass, xs apart */
+        const int64_t xs = tiled ? D : rs;
         for (int j = 0; j < n; ++j) {
             const float *x = bt + j * rs;
             float *pj = p + j * S4;
             if (t + PREFETCH_AHEAD < T) prefetch_row(x + PREFETCH_AHEAD * D, D);
             for (int l0 = 0; l0 < S4; l0 += 4) {
                 const float *w = u + (int64_t)l0 * D;
-                dots4(x, w, w + D, w + 2 * D, w + 3 * D, D, pj + l0, l0 ? 0 : &sq);
+                float *copy = tiled && !l0 ? tile + j * D : 0;
+                dots4(x, w, w + D, w + 2 * D, w + 3 * D, D, pj + l0, l0 ? 0 : &sq, copy);
             }
             const float rj = 1.0f / sqrtf(sq / (float)D + eps);
             r[j] = rj;
-            for (int l = 0; l < S; ++l) logit[j * S + l] = pj[l] = rj * pj[l];
+            for (int l = 0; l < S4; ++l) pj[l] *= rj;
+            for (int l = 0; l < S; ++l) logit[j * S + l] = pj[l];
         }
-        for (int l = 0; l < S; ++l) {
-            float m = p[l];
-            for (int j = 1; j < n; ++j) m = p[j * S4 + l] > m ? p[j * S4 + l] : m;
-            mx[l] = m;
+        /* softmax over j for every query, four queries at a time; padding queries get 0 */
+        for (int l0 = 0; l0 < S4; l0 += 4) {
+            vf4 m = vload4(p + l0);
+            for (int j = 1; j < n; ++j) m = vmax4(m, vload4(p + j * S4 + l0));
+            for (int k = 0; k < 4; ++k) mx[l0 + k] = l0 + k < S ? m[k] : 1e4f;
         }
         for (int j = 0; j < n; ++j)
-            for (int l = 0; l < S4; ++l) p[j * S4 + l] = l < S ? p[j * S4 + l] - mx[l] : -100.f;
+            for (int l0 = 0; l0 < S4; l0 += 4)
+                vstore4(p + j * S4 + l0, vload4(p + j * S4 + l0) - vload4(mx + l0));
         for (int i = n * S4; i < PADV(n * S4); ++i) p[i] = -100.f;
         exp_inplace(p, PADV(n * S4));
-        for (int l = 0; l < S4; ++l) sum[l] = 0.f;
-        for (int j = 0; j < n; ++j)
-            for (int l = 0; l < S4; ++l) sum[l] += p[j * S4 + l];
-        for (int l = 0; l < S; ++l) {
-            lse[l * T + t] = mx[l] + logf(sum[l]);
-            sum[l] = 1.0f / sum[l];
+        for (int l0 = 0; l0 < S4; l0 += 4) {
+            vf4 acc = {0};
+            for (int j = 0; j < n; ++j) acc += vload4(p + j * S4 + l0);
+            for (int k = 0; k < 4; ++k) {
+                const int l = l0 + k;
+                if (l < S) lse[l * T + t] = mx[l] + logf(acc[k]);
+                inv[l] = l < S ? 1.0f / acc[k] : 0.f;
+            }
         }
         for (int j = 0; j < n; ++j)
-            for (int l = 0; l < S4; ++l) p[j * S4 + l] = l < S ? p[j * S4 + l] * sum[l] : 0.f;
+            for (int l0 = 0; l0 < S4; l0 += 4)
+                vstore4(p + j * S4 + l0, vload4(p + j * S4 + l0) * vload4(inv + l0));
         /* out1_l = sum_j p_jl b_j, four queries at a time over D in vector chunks */
         for (int l0 = 0; l0 < S; l0 += 4) {
             float *o0 = out1 + ((int64_t)l0 * T + t) * D;
@@ -172,7 +207,7 @@ static void phase1_forward(const float *b, const float *u, int n, int64_t T, int
             for (; d + VW <= D; d += VW) {
                 vf c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
                 for (int j = 0; j < n; ++j) {
-                    const vf xv = vload(bt + j * rs + d);
+                    const vf xv = vload(xb + j * xs + d);
                     const float *pj = p + j * S4 + l0;
                     c0 += pj[0] * xv;
                     c1 += pj[1] * xv;
@@ -187,7 +222,7 @@ static void phase1_forward(const float *b, const float *u, int n, int64_t T, int
             for (; d < D; ++d)
                 for (int k = 0; k < 4 && l0 + k < S; ++k) {
                     float c = 0.f;
-                    for (int j = 0; j < n; ++j) c += p[j * S4 + l0 + k] * bt[j * rs + d];
+                    for (int j = 0; j < n; ++j) c += p[j * S4 + l0 + k] * xb[j * xs + d];
                     o0[k * os + d] = c;
                 }
         }
@@ -202,7 +237,7 @@ static void phase1_backward(const float *b, const float *u, const float *lse, co
                      const float *rstd, const float *G, const float *glse, int n, int64_t T,
                      int D, int S, float *gb, int accumulate, float *du_part, int threads) {
     const int64_t rs = T * D;
-    const int S4 = PAD4(S);
+    const int S4 = PAD4(S), tiled = G && (int64_t)n * D <= TILE_FLOATS;
 #pragma omp parallel num_threads(threads)
     {
         float *du = du_part + (int64_t)omp_get_thread_num() * S4 * D;
@@ -210,10 +245,12 @@ static void phase1_backward(const float *b, const float *u, const float *lse, co
         memset(zero, 0, sizeof zero);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; ++t) {
-            float p[PADV(n * S4)], dl[n * S4], coef[n];
+            float p[PADV(n * S4)], dl[n * S4], coef[n], gls[S4], tile[tiled ? n * D : 1];
             const float *g[S4];
             const float *r = rstd + t * n, *logit = logits + t * n * S;
             const float *bt = b + t * D;
+            const float *xb = tiled ? tile : bt; /* rows after the first pass, xs apart */
+            const int64_t xs = tiled ? D : rs;
             for (int l = 0; l < S4; ++l) g[l] = G && l < S ? G + ((int64_t)l * T + t) * D : zero;
             for (int j = 0; j < n; ++j)
                 for (int l = 0; l < S4; ++l)
@@ -229,22 +266,27 @@ static void phase1_backward(const float *b, const float *u, const float *lse, co
                     }
                     if (G)
                         dots4(bt + j * rs, g[l0], g[l0 + 1], g[l0 + 2], g[l0 + 3], D,
-                              dl + j * S4 + l0, 0);
+                              dl + j * S4 + l0, 0, tiled && !l0 ? tile + j * D : 0);
                     else
                         for (int k = 0; k < 4; ++k) dl[j * S4 + l0 + k] = 0.f;
                 }
-            for (int l = 0; l < S4; ++l) {
-                float c = 0.f;
-                for (int j = 0; j < n; ++j) c += p[j * S4 + l] * dl[j * S4 + l];
-                const float gl = glse && l < S ? glse[l * T + t] : 0.f;
-                for (int j = 0; j < n; ++j)
-                    dl[j * S4 + l] = l < S ? p[j * S4 + l] * (dl[j * S4 + l] - c + gl) : 0.f;
+            /* dlogit = p (dp - sum_j p dp + dlse), four queries at a time (padding: p = 0) */
+            for (int l = 0; l < S4; ++l) gls[l] = glse && l < S ? glse[l * T + t] : 0.f;
+            for (int l0 = 0; l0 < S4; l0 += 4) {
+                vf4 c = {0};
+                for (int j = 0; j < n; ++j) c += vload4(p + j * S4 + l0) * vload4(dl + j * S4 + l0);
+                const vf4 shift = vload4(gls + l0) - c;
+                for (int j = 0; j < n; ++j) {
+                    float *dj = dl + j * S4 + l0;
+                    vstore4(dj, vload4(p + j * S4 + l0) * (vload4(dj) + shift));
+                }
             }
             for (int j = 0; j < n; ++j) {
                 float acc = 0.f;
                 for (int l = 0; l < S; ++l) acc += dl[j * S4 + l] * logit[j * S + l];
                 coef[j] = -(r[j] * r[j] / (float)D) * acc;
-                for (int l = 0; l < S4; ++l) dl[j * S4 + l] *= r[j]; /* dl is draw from here */
+                for (int l0 = 0; l0 < S4; l0 += 4) /* dl is draw = r dlogit from here */
+                    vstore4(dl + j * S4 + l0, vload4(dl + j * S4 + l0) * r[j]);
             }
             /* four queries at a time: y_j += p_jl G_l + draw_jl u_l; du_l += draw_jl b_j */
             for (int l0 = 0; l0 < S4; l0 += 4) {
@@ -259,7 +301,7 @@ static void phase1_backward(const float *b, const float *u, const float *lse, co
                     const vf w2 = vload(u0 + 2 * D + d), w3 = vload(u0 + 3 * D + d);
                     vf e0 = {0}, e1 = {0}, e2 = {0}, e3 = {0};
                     for (int j = 0; j < n; ++j) {
-                        const vf xv = vload(bt + j * rs + d);
+                        const vf xv = vload(xb + j * xs + d);
                         const float *pj = p + j * S4 + l0, *aj = dl + j * S4 + l0;
                         e0 += aj[0] * xv;
                         e1 += aj[1] * xv;
@@ -283,7 +325,7 @@ static void phase1_backward(const float *b, const float *u, const float *lse, co
                 }
                 for (; d < D; ++d)
                     for (int j = 0; j < n; ++j) {
-                        const float x = bt[j * rs + d];
+                        const float x = xb[j * xs + d];
                         float acc = 0.f;
                         for (int k = 0; k < 4; ++k) {
                             const float a = dl[j * S4 + l0 + k];
