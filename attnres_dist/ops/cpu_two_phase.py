@@ -153,6 +153,16 @@ def _param_grads(query: Tensor, norm_weight: Tensor, need_q: bool, need_g: bool)
     return gq, gg
 
 
+def _merge_grads(grads, inputs) -> tuple:
+    """A merge backward's return: each float32 gradient (or None) in its input's dtype (an
+    input given as a dtype stands for itself), and None for ``eps`` and ``grad_into``."""
+    out = []
+    for grad, ref in zip(grads, inputs, strict=True):
+        dtype = ref if isinstance(ref, torch.dtype) else ref.dtype
+        out.append(None if grad is None else _cast(grad, dtype))
+    return (*out, None, None)
+
+
 def _extra_grad(ctx, e: Tensor, needed: bool) -> tuple[Tensor | None, bool]:
     """(where a merge backward writes the extras' gradient, whether it adds to ``grad_into``)."""
     if not needed:
@@ -251,15 +261,8 @@ class _Merge1(torch.autograd.Function):
             dim, _ptr(go1), _ptr(glse), _ptr(ge), int(into), _ptr(gq), _ptr(gg),
             torch.get_num_threads(),
         )  # fmt: skip
-        return (
-            None if go1 is None else _cast(go1, out1.dtype),
-            _cast(glse, ctx.lse_dtype) if need[1] else None,
-            None if ge is None or into else _cast(ge, extra.dtype),
-            None if gq is None else _cast(gq, query.dtype),
-            None if gg is None else _cast(gg, norm_weight.dtype),
-            None,
-            None,
-        )
+        grads = (go1, glse if need[1] else None, None if into else ge, gq, gg)
+        return _merge_grads(grads, (out1, ctx.lse_dtype, extra, query, norm_weight))
 
 
 class _Merge(torch.autograd.Function):
@@ -302,15 +305,8 @@ class _Merge(torch.autograd.Function):
             tokens, dim, _ptr(go1), _ptr(glse), _ptr(ge), int(into), _ptr(gq), _ptr(gg),
             torch.get_num_threads(),
         )  # fmt: skip
-        return (
-            None if go1 is None else _cast(go1, out1.dtype),
-            _cast(glse, lse.dtype) if need[1] else None,
-            None if ge is None or into else _cast(ge, extra.dtype),
-            None if gq is None else _cast(gq, query.dtype),
-            None if gg is None else _cast(gg, norm_weight.dtype),
-            None,
-            None,
-        )
+        grads = (go1, glse if need[1] else None, None if into else ge, gq, gg)
+        return _merge_grads(grads, (out1, lse.dtype, extra, query, norm_weight))
 
 
 def phase1(
