@@ -1,12 +1,12 @@
 """Two-phase depth attention on the CPU through the project's fused C kernels (``cpu_fused``).
 
 Same math and signatures as :mod:`attnres_dist.ops.two_phase`; phase 1 and phase 2 run as one
-C loop per token (``csrc/two_phase_cpu.c``), forward and backward, where the torch ops read
-every block about ten times and dispatch ~30 small ops per pass. Sources are computed in
-float32 (bfloat16 / float16 ones are upcast as in the torch ops); float64 inputs and tensors
-off the CPU take the torch-ops path. Phase 2 merges one extra source (the Block partial) by a
-two-way softmax and several (Full AttnRes's group outputs) by the general online-softmax
-merge, both fused.
+C loop per token (``csrc/phase1_cpu.c``, ``csrc/merge_cpu.c``), forward and backward, where the
+torch ops read every block about ten times and dispatch ~30 small ops per pass. Sources are
+computed in float32 (bfloat16 / float16 ones are upcast as in the torch ops); float64 inputs
+and tensors off the CPU take the torch-ops path. Phase 2 merges one extra source (the Block
+partial) by a two-way softmax and several (Full AttnRes's group outputs) by the general
+online-softmax merge, both fused.
 
 The kernel library is compiled on first use with the system C compiler (``$CC`` or ``cc``,
 ``-O2 -march=native -fopenmp``) into ``$ATTNRES_DIST_KERNEL_CACHE`` (default
@@ -36,7 +36,9 @@ from torch.autograd.function import once_differentiable
 from attnres_dist.ops import two_phase
 from attnres_dist.ops.depth_attention import one_pass_adapter
 
-SOURCE = Path(__file__).with_name("csrc") / "two_phase_cpu.c"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "phase1_cpu.c", CSRC / "merge_cpu.c")  # and the header they share
+HEADERS = (CSRC / "vector_math.h",)
 FLAGS = ("-O2", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
 _F, _I, _L, _P = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {  # exported entry points; each returns 0, or -1 out of memory
@@ -81,7 +83,9 @@ def _build() -> Path:
     except OSError as exc:
         raise RuntimeError(f"C compiler {cc!r} does not run ({exc.strerror}); set CC") from None
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), cc, version, *FLAGS, _cpu_model()]).encode()
+        "\0".join(
+            [*(f.read_text() for f in (*SOURCES, *HEADERS)), cc, version, *FLAGS, _cpu_model()]
+        ).encode()
     ).hexdigest()[:16]
     target = cache_dir() / f"two_phase_cpu-{key}.so"
     if target.exists():
@@ -93,7 +97,7 @@ def _build() -> Path:
     os.close(fd)
     try:
         done = subprocess.run(
-            [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True
+            [cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True
         )
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["(no output)"])[0]

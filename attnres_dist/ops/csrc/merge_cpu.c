@@ -1,0 +1,196 @@
+/* Phase 2 of two-phase depth attention, forward and backward, fused per token: one sublayer's
+ * phase-1 result merged with the sources not in the store by online softmax, for one extra
+ * source (the Block partial: a two-way softmax) and for several (Full AttnRes's group outputs).
+ */
+#include "vector_math.h"
+
+/* out = lerp(o1, e, a), a = sigmoid(le - lse), le = r <e, u>: saves a, le, r ([T] each). */
+static void merge1_forward(const float *o1, const float *lse, const float *e, const float *u,
+                    int64_t T, int D, float eps, float *out, float *a_out, float *le_out,
+                    float *r_out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+        const float *et = e + t * D, *ot = o1 + t * D;
+        float r, le;
+        token_logits(et, 0, 1, D, u, 1, eps, &r, &le);
+        const float a = 1.0f / (1.0f + expf(lse[t] - le));
+        float *y = out + t * D;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) y[d] = ot[d] + a * (et[d] - ot[d]);
+        a_out[t] = a;
+        le_out[t] = le;
+        r_out[t] = r;
+    }
+}
+
+/* d a = <G, e - o1>, d le = a (1 - a) d a; d o1 = G (1 - a), d lse = -d le,
+ * d e = G a + r d le u - r^2 / D d le le e, du = sum_t r d le e (per thread). */
+static void merge1_backward(const float *o1, const float *e, const float *u, const float *a_in,
+                            const float *le_in, const float *r_in, const float *G, int64_t T,
+                            int D, float *go1, float *glse, float *ge, int accumulate,
+                            float *du_part, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        float *du = du_part + (int64_t)omp_get_thread_num() * D;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t) {
+            const float *et = e + t * D, *ot = o1 + t * D, *g = G + t * D;
+            const float a = a_in[t], r = r_in[t];
+            const float da = dot(g, et, D) - dot(g, ot, D);
+            const float dle = a * (1.0f - a) * da;
+            const float draw = dle * r;
+            const float coef = -(r * r / (float)D) * dle * le_in[t];
+            glse[t] = -dle;
+            if (go1) {
+                float *y = go1 + t * D;
+#pragma omp simd
+                for (int d = 0; d < D; ++d) y[d] = g[d] * (1.0f - a);
+            }
+            if (ge) {
+                float *y = ge + t * D;
+                if (accumulate) {
+#pragma omp simd
+                    for (int d = 0; d < D; ++d) y[d] += g[d] * a + draw * u[d] + coef * et[d];
+                } else {
+#pragma omp simd
+                    for (int d = 0; d < D; ++d) y[d] = g[d] * a + draw * u[d] + coef * et[d];
+                }
+            }
+#pragma omp simd
+            for (int d = 0; d < D; ++d) du[d] += draw * et[d];
+        }
+    }
+}
+
+/* Phase 2 with m extra sources e_k ([m, T, D]): le_k = r_k <e_k, u>,
+ * total = logaddexp(lse, logsumexp_k le_k), out = exp(lse - total) o1 + sum_k exp(le_k - total) e_k.
+ * Saves r and le ([m, T]) and total ([T]). */
+static void merge_forward(const float *o1, const float *lse, const float *e, const float *u, int m,
+                   int64_t T, int D, float eps, float *out, float *le_out, float *r_out,
+                   float *total_out, int threads) {
+    const int64_t rs = T * D;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+        float r[m], le[m];
+        const float *et = e + t * D, *ot = o1 + t * D;
+        token_logits(et, rs, m, D, u, 1, eps, r, le);
+        float mx = lse[t];
+        for (int k = 0; k < m; ++k) mx = fmaxf(mx, le[k]);
+        float s = expf(lse[t] - mx);
+        for (int k = 0; k < m; ++k) s += expf(le[k] - mx);
+        const float total = mx + logf(s);
+        const float a0 = expf(lse[t] - total);
+        float *y = out + t * D;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) y[d] = a0 * ot[d];
+        for (int k = 0; k < m; ++k) {
+            const float ak = expf(le[k] - total);
+            const float *x = et + k * rs;
+#pragma omp simd
+            for (int d = 0; d < D; ++d) y[d] += ak * x[d];
+            le_out[k * T + t] = le[k];
+            r_out[k * T + t] = r[k];
+        }
+        total_out[t] = total;
+    }
+}
+
+/* d a0 = <G, o1>, d a_k = <G, e_k>, c = a0 d a0 + sum_k a_k d a_k; d lse = a0 (d a0 - c),
+ * d le_k = a_k (d a_k - c); d o1 = a0 G; d e_k = a_k G + r_k d le_k u - r_k^2 / D d le_k le_k e_k;
+ * du = sum_{t, k} r_k d le_k e_k (per thread). */
+static void merge_backward(const float *o1, const float *lse, const float *e, const float *u,
+                           const float *le_in, const float *r_in, const float *total_in,
+                           const float *G, int m, int64_t T, int D, float *go1, float *glse,
+                           float *ge, int accumulate, float *du_part, int threads) {
+    const int64_t rs = T * D;
+#pragma omp parallel num_threads(threads)
+    {
+        float *du = du_part + (int64_t)omp_get_thread_num() * D;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t) {
+            float a[m], dle[m];
+            const float *et = e + t * D, *ot = o1 + t * D, *g = G + t * D;
+            const float total = total_in[t];
+            const float a0 = expf(lse[t] - total), da0 = dot(g, ot, D);
+            float c = a0 * da0;
+            for (int k = 0; k < m; ++k) {
+                a[k] = expf(le_in[k * T + t] - total);
+                dle[k] = dot(g, et + k * rs, D);
+                c += a[k] * dle[k];
+            }
+            glse[t] = a0 * (da0 - c);
+            if (go1) {
+                float *y = go1 + t * D;
+#pragma omp simd
+                for (int d = 0; d < D; ++d) y[d] = a0 * g[d];
+            }
+            for (int k = 0; k < m; ++k) {
+                const float dl = a[k] * (dle[k] - c), r = r_in[k * T + t];
+                const float draw = dl * r, coef = -(r * r / (float)D) * dl * le_in[k * T + t];
+                const float *x = et + k * rs;
+                if (ge) {
+                    float *y = ge + k * rs + t * D;
+                    const float ak = a[k];
+                    if (accumulate) {
+#pragma omp simd
+                        for (int d = 0; d < D; ++d) y[d] += ak * g[d] + draw * u[d] + coef * x[d];
+                    } else {
+#pragma omp simd
+                        for (int d = 0; d < D; ++d) y[d] = ak * g[d] + draw * u[d] + coef * x[d];
+                    }
+                }
+#pragma omp simd
+                for (int d = 0; d < D; ++d) du[d] += draw * x[d];
+            }
+        }
+    }
+}
+
+int merge1_fwd(const float *o1, const float *lse, const float *e, const float *q, const float *g,
+               int64_t T, int D, float eps, float *out, float *stats, int threads) {
+    float *u = products(q, g, 1, 1, D);
+    if (!u) return -1;
+    merge1_forward(o1, lse, e, u, T, D, eps, out, stats, stats + T, stats + 2 * T, threads);
+    free(u);
+    return 0;
+}
+
+int merge1_bwd(const float *o1, const float *e, const float *q, const float *g,
+               const float *stats, const float *G, int64_t T, int D, float *go1, float *glse,
+               float *ge, int accumulate, float *gq, float *gg, int threads) {
+    float *u = products(q, g, 1, 1, D), *du = calloc((size_t)threads * D, sizeof(float));
+    if (u && du) {
+        merge1_backward(o1, e, u, stats, stats + T, stats + 2 * T, G, T, D, go1, glse, ge,
+                        accumulate, du, threads);
+        query_gain_grads(du, threads, 1, 1, D, q, g, gq, gg);
+    }
+    const int ok = u && du;
+    free(u);
+    free(du);
+    return ok ? 0 : -1;
+}
+
+int merge_fwd(const float *o1, const float *lse, const float *e, const float *q, const float *g,
+              int m, int64_t T, int D, float eps, float *out, float *stats, int threads) {
+    float *u = products(q, g, 1, 1, D);
+    if (!u) return -1;
+    merge_forward(o1, lse, e, u, m, T, D, eps, out, stats, stats + (int64_t)m * T,
+                  stats + 2 * (int64_t)m * T, threads);
+    free(u);
+    return 0;
+}
+
+int merge_bwd(const float *o1, const float *lse, const float *e, const float *q, const float *g,
+              const float *stats, const float *G, int m, int64_t T, int D, float *go1,
+              float *glse, float *ge, int accumulate, float *gq, float *gg, int threads) {
+    float *u = products(q, g, 1, 1, D), *du = calloc((size_t)threads * D, sizeof(float));
+    if (u && du) {
+        merge_backward(o1, lse, e, u, stats, stats + (int64_t)m * T, stats + 2 * (int64_t)m * T,
+                       G, m, T, D, go1, glse, ge, accumulate, du, threads);
+        query_gain_grads(du, threads, 1, 1, D, q, g, gq, gg);
+    }
+    const int ok = u && du;
+    free(u);
+    free(du);
+    return ok ? 0 : -1;
+}

@@ -1,0 +1,175 @@
+/* Shared by the CPU two-phase kernels (phase1_cpu.c, merge_cpu.c): eight-float vectors, dot
+ * products, the vectorised exponential, prefetch and tile sizes, and the entry points' handling
+ * of queries and gains.
+ *
+ * Layouts (all contiguous, float32): blocks [n, T, D], queries / gains [S, D] (phase 1) or [D]
+ * (phase 2), u = gains * queries, out1 / its gradient G [S, T, D], lse and its gradient
+ * [S, T], extra sources e [m, T, D], a phase-1 slice and its gradient [T, D]. Tokens are split
+ * over OpenMP threads (torch's own libgomp, already loaded under the same soname).
+ */
+#ifndef ATTNRES_DIST_VECTOR_MATH_H
+#define ATTNRES_DIST_VECTOR_MATH_H
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Eight-float vectors (GCC / clang vector extensions: AVX2 / AVX-512VL registers on x86, two
+ * NEON registers on arm64), loaded and stored unaligned. Every sum is formed in a fixed order,
+ * so no fast-math flag is needed and a token's result does not depend on the thread count. */
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+#define VW 8
+
+static inline vf vload(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+static inline float vsum(vf v) {
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
+
+static inline float dot(const float *a, const float *b, int D) {
+    vf acc = {0};
+    int d = 0;
+    for (; d + VW <= D; d += VW) acc += vload(a + d) * vload(b + d);
+    float s = vsum(acc);
+    for (; d < D; ++d) s += a[d] * b[d];
+    return s;
+}
+
+/* exp of eight floats (Cephes' expf): x = k ln2 + r, |r| <= ln2 / 2, exp r = 1 + r + r^2 P(r)
+ * with P of degree 5 (~1 ulp), times 2^k. x below -87.3 gives 0: the inputs here are softmax
+ * logits minus their maximum (or log-sum-exp), so <= 0 up to rounding. */
+static inline vf vexp(vf x) {
+    const vf zero = {0};
+    const vf lo = zero - 87.3f, shifter = zero + 12582912.0f; /* 1.5 * 2^23 rounds to integers */
+    const vi small = x < lo;
+    x = (vf)(((vi)x & ~small) | ((vi)lo & small));
+    const vf t = x * 1.44269504f + shifter;
+    const vf k = t - shifter;
+    const vi ki = (vi)t - (vi)shifter;
+    const vf r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
+    vf y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = (y * r) * r + r + 1.0f;
+    const vf scaled = (vf)((vi)y + (ki << 23));
+    return (vf)((vi)scaled & ~small);
+}
+
+/* A token's n rows lie T * D floats apart: n streams, more than the hardware prefetchers
+ * follow once n passes ~16, so each pass asks for the rows of the token PREFETCH_AHEAD ahead. */
+#define PREFETCH_AHEAD 4
+
+static inline void prefetch_row(const float *x, int D) {
+    for (int d = 0; d < D; d += 16) __builtin_prefetch(x + d, 0, 3);
+}
+
+/* In place exp of len floats (len a multiple of VW). */
+static inline void exp_inplace(float *x, int len) {
+    for (int i = 0; i < len; i += VW) vstore(x + i, vexp(vload(x + i)));
+}
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* out[k] = <x, w[k]> for QW (2 or 4, a constant where inlined) rows w[k]; *sq = <x, x> and
+ * copy[d] = x[d] when they are not NULL. The accumulators are named, not an array, so they stay
+ * in registers. */
+INLINE void dotsq(const float *restrict x, const float *const *w, int D, const int QW,
+                  float *restrict out, float *restrict sq, float *restrict copy) {
+    const float *restrict w0 = w[0], *restrict w1 = w[1];
+    const float *restrict w2 = QW > 2 ? w[2] : w[0], *restrict w3 = QW > 2 ? w[3] : w[0];
+    vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, aq = {0};
+    int d = 0;
+    for (; d + VW <= D; d += VW) {
+        const vf xv = vload(x + d);
+        if (copy) vstore(copy + d, xv);
+        aq += xv * xv;
+        a0 += xv * vload(w0 + d);
+        a1 += xv * vload(w1 + d);
+        if (QW > 2) {
+            a2 += xv * vload(w2 + d);
+            a3 += xv * vload(w3 + d);
+        }
+    }
+    float s0 = vsum(a0), s1 = vsum(a1), s2 = vsum(a2), s3 = vsum(a3), q = vsum(aq);
+    for (; d < D; ++d) {
+        if (copy) copy[d] = x[d];
+        q += x[d] * x[d];
+        s0 += x[d] * w0[d];
+        s1 += x[d] * w1[d];
+        if (QW > 2) {
+            s2 += x[d] * w2[d];
+            s3 += x[d] * w3[d];
+        }
+    }
+    out[0] = s0, out[1] = s1;
+    if (QW > 2) out[2] = s2, out[3] = s3;
+    if (sq) *sq = q;
+}
+
+/* Four-float vectors for per-token softmax bookkeeping over [n, S4] arrays (a row's queries
+ * in groups of four), and their elementwise maximum. */
+typedef float vf4 __attribute__((vector_size(16)));
+typedef int32_t vi4 __attribute__((vector_size(16)));
+
+static inline vf4 vload4(const float *p) {
+    vf4 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void vstore4(float *p, vf4 v) { memcpy(p, &v, sizeof v); }
+
+static inline vf4 vmax4(vf4 a, vf4 b) {
+    const vi4 gt = a > b;
+    return (vf4)(((vi4)a & gt) | ((vi4)b & ~gt));
+}
+
+/* A token's n rows lie T * D floats apart, the same address modulo 4 KiB: past the cache's
+ * associativity (~12 rows) they evict each other between a token's passes. The first pass
+ * copies them into a contiguous tile (when n D floats fit TILE_FLOATS) that the others read. */
+#define TILE_FLOATS 16384
+
+/* r[j] = rsqrt(mean(b_j^2) + eps) and logit[j * S + l] = r[j] <b_j, u_l> for one token. */
+static inline void token_logits(const float *b, int64_t row_stride, int n, int D, const float *u,
+                         int S, float eps, float *r, float *logit) {
+    for (int j = 0; j < n; ++j) {
+        const float *x = b + j * row_stride;
+        const float rj = 1.0f / sqrtf(dot(x, x, D) / (float)D + eps);
+        r[j] = rj;
+        for (int l = 0; l < S; ++l) logit[j * S + l] = rj * dot(x, u + (int64_t)l * D, D);
+    }
+}
+
+/* The exported entry points take the queries q and key gains g ([S, D] or [D]) as they are and
+ * return their gradients: u = g * q is formed here and dL/du (summed over the threads' parts in
+ * a fixed order) turned into dL/dq = dL/du * g and dL/dg = dL/du * q, so a call dispatches no
+ * torch op around the kernel. gq / gg may be NULL (not needed); accumulate: the blocks' or
+ * extras' gradient is added to gb / ge (a gradient buffer other readers add to as well). */
+static inline float *products(const float *q, const float *g, int S, int rows, int D) {
+    float *u = calloc((size_t)rows * D, sizeof(float));
+    for (int64_t i = 0; u && i < (int64_t)S * D; ++i) u[i] = g[i] * q[i];
+    return u;
+}
+
+static inline void query_gain_grads(const float *du_part, int parts, int S, int rows, int D,
+                             const float *q, const float *g, float *gq, float *gg) {
+    for (int64_t i = 0; i < (int64_t)S * D; ++i) {
+        float du = 0.f;
+        for (int k = 0; k < parts; ++k) du += du_part[(int64_t)k * rows * D + i];
+        if (gq) gq[i] = du * g[i];
+        if (gg) gg[i] = du * q[i];
+    }
+}
+
+#endif
