@@ -158,16 +158,12 @@ int merge1_fwd(const float *o1, const float *lse, const float *e, const float *q
 int merge1_bwd(const float *o1, const float *e, const float *q, const float *g,
                const float *stats, const float *G, int64_t T, int D, float *go1, float *glse,
                float *ge, int accumulate, float *gq, float *gg, int threads) {
-    float *u = products(q, g, 1, 1, D), *du = calloc((size_t)threads * D, sizeof(float));
-    if (u && du) {
-        merge1_backward(o1, e, u, stats, stats + T, stats + 2 * T, G, T, D, go1, glse, ge,
-                        accumulate, du, threads);
-        query_gain_grads(du, threads, 1, 1, D, q, g, gq, gg);
-    }
-    const int ok = u && du;
-    free(u);
-    free(du);
-    return ok ? 0 : -1;
+    BackwardWork w;
+    const int ok = work_alloc(&w, q, g, 1, 1, D, threads);
+    if (ok)
+        merge1_backward(o1, e, w.u, stats, stats + T, stats + 2 * T, G, T, D, go1, glse, ge,
+                        accumulate, w.du, threads);
+    return work_finish(&w, ok, threads, 1, 1, D, q, g, gq, gg);
 }
 
 int merge_fwd(const float *o1, const float *lse, const float *e, const float *q, const float *g,
@@ -183,14 +179,11 @@ int merge_fwd(const float *o1, const float *lse, const float *e, const float *q,
 int merge_bwd(const float *o1, const float *lse, const float *e, const float *q, const float *g,
               const float *stats, const float *G, int m, int64_t T, int D, float *go1,
               float *glse, float *ge, int accumulate, float *gq, float *gg, int threads) {
-    float *u = products(q, g, 1, 1, D), *du = calloc((size_t)threads * D, sizeof(float));
-    if (u && du) {
-        merge_backward(o1, lse, e, u, stats, stats + (int64_t)m * T, stats + 2 * (int64_t)m * T,
-                       G, m, T, D, go1, glse, ge, accumulate, du, threads);
-        query_gain_grads(du, threads, 1, 1, D, q, g, gq, gg);
-    }
-    const int ok = u && du;
-    free(u);
-    free(du);
-    return ok ? 0 : -1;
+    BackwardWork w;
+    const int ok = work_alloc(&w, q, g, 1, 1, D, threads);
+    if (ok)
+        merge_backward(o1, lse, e, w.u, stats, stats + (int64_t)m * T,
+                       stats + 2 * (int64_t)m * T, G, m, T, D, go1, glse, ge, accumulate, w.du,
+                       threads);
+    return work_finish(&w, ok, threads, 1, 1, D, q, g, gq, gg);
 }

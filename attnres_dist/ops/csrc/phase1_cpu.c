@@ -286,15 +286,10 @@ int phase1_bwd(const float *b, const float *q, const float *g, const float *lse,
                const float *logits, const float *rstd, const float *G, const float *glse, int n,
                int64_t T, int D, int S, float *gb, int accumulate, float *gq, float *gg,
                int threads) {
-    const int S4 = PAD4(S);
-    float *u = products(q, g, S, S4, D), *du = calloc((size_t)threads * S4 * D, sizeof(float));
-    if (u && du) {
-        phase1_backward(b, u, lse, logits, rstd, G, glse, n, T, D, S, gb, accumulate, du,
+    BackwardWork w;
+    const int ok = work_alloc(&w, q, g, S, PAD4(S), D, threads);
+    if (ok)
+        phase1_backward(b, w.u, lse, logits, rstd, G, glse, n, T, D, S, gb, accumulate, w.du,
                         threads);
-        query_gain_grads(du, threads, S, S4, D, q, g, gq, gg);
-    }
-    const int ok = u && du;
-    free(u);
-    free(du);
-    return ok ? 0 : -1;
+    return work_finish(&w, ok, threads, S, PAD4(S), D, q, g, gq, gg);
 }

@@ -172,4 +172,27 @@ static inline void query_gain_grads(const float *du_part, int parts, int S, int 
     }
 }
 
+/* A backward call's work buffers: u (rows rows, zero after S) and the threads' dL/du parts. */
+typedef struct {
+    float *u, *du;
+} BackwardWork;
+
+/* Allocates the work; 1 when both buffers were allocated. */
+static inline int work_alloc(BackwardWork *w, const float *q, const float *g, int S, int rows,
+                             int D, int threads) {
+    w->u = products(q, g, S, rows, D);
+    w->du = calloc((size_t)threads * rows * D, sizeof(float));
+    return w->u && w->du;
+}
+
+/* Turns dL/du into dL/dq and dL/dg when the kernel ran, frees the work; 0, or -1 when it could
+ * not run. */
+static inline int work_finish(BackwardWork *w, int ran, int threads, int S, int rows, int D,
+                              const float *q, const float *g, float *gq, float *gg) {
+    if (ran) query_gain_grads(w->du, threads, S, rows, D, q, g, gq, gg);
+    free(w->u);
+    free(w->du);
+    return ran ? 0 : -1;
+}
+
 #endif
