@@ -80,9 +80,8 @@ def block_timings(
 ) -> dict:
     """Median forward + backward ms of one block per path, and the two-phase ratios."""
     args = _inputs(n, size, tokens, dim, seed)
-    names = ["two_phase", "lean", "reference"]
-    if cpu_kernel_requirement() is None:
-        names.append("two_phase_fused")
+    fused_builds = cpu_kernel_requirement() is None
+    names = [name for name in PATHS if name != "two_phase_fused" or fused_builds]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
