@@ -22,6 +22,7 @@ OK = {
     "transformer_engine": probes.Probe(True, "transformer_engine 2.10.0"),
     "apex_norm": probes.Probe(True, "apex FusedRMSNorm"),
     "apex_adam": probes.Probe(True, "apex FusedAdam"),
+    "cpu_kernels": probes.Probe(True, "the project's fused C RMSNorm"),
 }
 MISSING = {
     "cuda": probes.Probe(False, "no CUDA device visible"),
@@ -31,6 +32,7 @@ MISSING = {
     ),
     "apex_norm": probes.Probe(False, "apex FusedRMSNorm not importable (No module named 'apex')"),
     "apex_adam": probes.Probe(False, "apex FusedAdam not importable (No module named 'apex')"),
+    "cpu_kernels": probes.Probe(False, "the C kernels cannot be built here (no C compiler)"),
 }
 
 
@@ -73,7 +75,9 @@ def test_cpu_machine_takes_the_local_spec_and_torch_ops_without_probing_gpu_libr
     called = machine(cuda=False)
     choice = select_runtime(RuntimeConfig())
     assert values(choice) == ("cpu", "local", "torch", "torch", "fp32")
-    assert called == ["cuda"]  # no Transformer Engine or apex import attempted without a GPU
+    # no Transformer Engine or apex import attempted without a GPU; the C kernels are asked
+    assert called == ["cuda", "cpu_kernels"]
+    assert choice.norm.reason == "the C kernels cannot be built here (no C compiler)"
     line = choice.describe()
     assert "\n" not in line and line.startswith("runtime: ")
     assert "device=cpu (no CUDA device visible)" in line
@@ -149,6 +153,7 @@ def test_explicit_fast_paths_are_taken_when_available(machine):
         ("fused_optimizer", "on", {"cuda": True}, "apex FusedAdam not importable"),
         ("dtype", "bf16", {"cuda": True}, "has no bf16 support"),
         ("layer_spec", "te", {}, "needs a CUDA device (no CUDA device visible)"),
+        ("fused_norm", "on", {}, "on CPU but the C kernels cannot be built here"),
     ],
 )
 def test_requesting_a_missing_fast_path_is_a_one_line_config_error(
@@ -162,6 +167,21 @@ def test_requesting_a_missing_fast_path_is_a_one_line_config_error(
     assert message.startswith(f"runtime.{field}: {value!r} ")
     assert expected in message and "use auto or" in message
     assert "\n" not in message
+
+
+def test_cpu_machine_takes_the_fused_c_norm_where_the_kernels_build(machine):
+    called = machine(cpu_kernels=True)
+    choice = select_runtime(RuntimeConfig())
+    assert choice.norm == Choice("cpu", "the project's fused C RMSNorm")
+    assert select_runtime(RuntimeConfig(fused_norm="on")).norm == Choice(
+        "cpu", "set in config; on CPU"
+    )
+    called.clear()
+    assert select_runtime(RuntimeConfig(fused_norm="off")).norm == Choice("torch", "set in config")
+    assert "cpu_kernels" not in called  # off asks nothing
+    spec = kernels.layer_spec(choice)
+    assert spec.submodules.input_layernorm is kernels.CpuRMSNorm
+    assert spec.submodules.pre_mlp_layernorm is kernels.CpuRMSNorm
 
 
 # --------------------------------------------------------------------------- core attention

@@ -209,12 +209,12 @@ def test_auto_and_refusals(monkeypatch):
 def test_fused_cpu_kernels_refused_without_a_compiler(monkeypatch, tmp_path):
     """No working compiler: cpu_fused says why, naming it; auto falls back to the torch ops."""
     from attnres_dist.errors import ConfigError
-    from attnres_dist.ops import cpu_two_phase
+    from attnres_dist.ops import cpu_library, cpu_two_phase
     from attnres_dist.runtime.select import select_depth_attention
 
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("ATTNRES_DIST_KERNEL_CACHE", str(tmp_path / "kernels"))
-    cpu_two_phase._library.cache_clear()
+    cpu_library._library.cache_clear()
     try:
         reason = cpu_two_phase.requirement()
         assert reason is not None and "no-such-cc" in reason and "set CC" in reason
@@ -223,5 +223,5 @@ def test_fused_cpu_kernels_refused_without_a_compiler(monkeypatch, tmp_path):
         assert select_depth_attention("auto", "cpu").value == "twophase"
     finally:
         monkeypatch.undo()
-        cpu_two_phase._library.cache_clear()
+        cpu_library._library.cache_clear()
     assert not (tmp_path / "kernels").exists() or not list((tmp_path / "kernels").iterdir())

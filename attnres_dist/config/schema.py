@@ -114,7 +114,7 @@ class RuntimeConfig:
 
     layer_spec: str = "auto"  # auto | local | te (Megatron-Core's Transformer Engine spec)
     # str | bool: YAML reads a bare on/off as true/false; __post_init__ turns them back
-    fused_norm: str | bool = "auto"  # auto | on | off (apex FusedRMSNorm)
+    fused_norm: str | bool = "auto"  # auto | on | off (GPU: apex FusedRMSNorm; CPU: C kernel)
     fused_optimizer: str | bool = "auto"  # auto | on | off (apex FusedAdam)
     # auto | fp32 | bf16 (DeepSpeed's bf16 engine: bf16 params and payloads, fp32 master
     # weights; auto takes it on a GPU with bf16, explicit bf16 runs on CPU too)

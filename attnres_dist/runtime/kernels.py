@@ -9,8 +9,10 @@
   Megatron's ``DotProductAttention`` and ``SdpaSelfAttention`` (rotary embedding from tables)
   in place of ``SelfAttention``, or Megatron's own; the parameters are the same, so the
   choice never changes a checkpoint. The TE spec keeps TE's attention.
-* ``norm_class``: apex's FusedRMSNorm or torch's RMSNorm, built with Megatron's norm signature
-  (Megatron's own apex norm, FusedLayerNorm, refuses RMSNorm). Both name their gain ``weight``.
+* norms: apex's FusedRMSNorm (GPU), the project's fused C RMSNorm (``cpu``:
+  ``attnres_dist.ops.cpu_rms_norm``) or torch's RMSNorm, built with Megatron's norm signature
+  (Megatron's own apex norm, FusedLayerNorm, refuses RMSNorm). All name their gain ``weight``,
+  so the choice never changes a checkpoint.
 * ``adam_class``: apex FusedAdam in AdamW mode (decoupled weight decay, as torch.optim.AdamW)
   or torch's AdamW.
 """
@@ -33,9 +35,10 @@ def layer_spec(choice: RuntimeChoice):
 
         spec.submodules.self_attention.module = SdpaSelfAttention
         spec.submodules.self_attention.submodules.core_attention = SdpaAttention
-    if choice.norm.value == "apex":
-        spec.submodules.input_layernorm = ApexRMSNorm
-        spec.submodules.pre_mlp_layernorm = ApexRMSNorm
+    norm = _NORMS.get(choice.norm.value)
+    if norm is not None:
+        spec.submodules.input_layernorm = norm
+        spec.submodules.pre_mlp_layernorm = norm
     return spec
 
 
@@ -48,11 +51,24 @@ class ApexRMSNorm:
         return FusedRMSNorm(hidden_size, eps=eps)
 
 
+class CpuRMSNorm:
+    """The fused C RMSNorm (``attnres_dist.ops.cpu_rms_norm``), imported when built."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        from attnres_dist.ops.cpu_rms_norm import CpuRMSNorm as Norm
+
+        return Norm(config, hidden_size, eps)
+
+
+_NORMS = {"apex": ApexRMSNorm, "cpu": CpuRMSNorm}  # torch: the spec's own
+
+
 def final_norm(choice: RuntimeChoice, config) -> torch.nn.Module | None:
     """The final norm to use instead of the default torch one, or None to keep it."""
-    if choice.norm.value != "apex":
+    norm = _NORMS.get(choice.norm.value)
+    if norm is None:
         return None
-    return ApexRMSNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
+    return norm(config, config.hidden_size, eps=config.layernorm_epsilon)
 
 
 def adam_class(choice: RuntimeChoice) -> type[torch.optim.Optimizer]:

@@ -74,3 +74,13 @@ def apex_adam() -> Probe:
     except Exception as exc:
         return _import_error("apex FusedAdam", exc)
     return Probe(True, "apex FusedAdam")
+
+
+def cpu_kernels() -> Probe:
+    """The project's C kernels (``attnres_dist.ops.cpu_library``), built or loaded here."""
+    from attnres_dist.ops.cpu_library import requirement
+
+    why_not = requirement()
+    if why_not is not None:
+        return Probe(False, f"the C kernels cannot be built here ({why_not})")
+    return Probe(True, "the project's fused C RMSNorm")

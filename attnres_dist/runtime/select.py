@@ -2,7 +2,8 @@
 
 ``auto`` takes a fast path when this machine has it: Megatron-Core's Transformer Engine layer
 spec, apex's fused RMSNorm and FusedAdam, DeepSpeed's bf16 engine, all only with a CUDA device
-(their kernels are GPU-only); otherwise the local layer spec, torch norms, torch AdamW and fp32. The
+(their kernels are GPU-only); otherwise the local layer spec, torch AdamW and fp32, with the
+project's fused C RMSNorm where the C kernels build (``cpu``; else torch's). The
 local spec's core attention is torch's ``scaled_dot_product_attention`` on every device
 (``attnres_dist.model.sdpa_attention``; ``megatron`` keeps Megatron's unfused one); the TE
 spec brings Transformer Engine's attention, so there the choice is TE's. An
@@ -45,7 +46,7 @@ class Choice:
 class RuntimeChoice:
     device: Choice  # cuda | cpu
     layer_spec: Choice  # te | local
-    norm: Choice  # apex | torch
+    norm: Choice  # apex | cpu | torch
     optimizer: Choice  # apex | torch
     dtype: Choice  # bf16 | fp32
     # sdpa | megatron | te (the TE spec's own); hand-built choices get the reference one
@@ -173,7 +174,7 @@ def select_runtime(runtime, depth_attention: str = "auto") -> RuntimeChoice:
     layer_spec = _pick(
         p, "layer_spec", runtime.layer_spec, "te", "local", "local", "transformer_engine"
     )
-    norm = _pick(p, "fused_norm", runtime.fused_norm, "apex", "torch", "off", "apex_norm")
+    norm = _norm(p, runtime.fused_norm)
     if norm.value == "apex" and layer_spec.value == "te":
         # the TE spec fuses each layer's norms into its linears; apex normalises the final output
         norm = Choice("apex", f"{norm.reason}; final norm only, TE fuses the layers' norms")
@@ -189,6 +190,21 @@ def select_runtime(runtime, depth_attention: str = "auto") -> RuntimeChoice:
     core_attention = _core_attention(runtime.core_attention, layer_spec)
     impl = select_depth_attention(depth_attention, device.value)
     return RuntimeChoice(device, layer_spec, norm, optimizer, dtype, core_attention, impl)
+
+
+def _norm(p: _Probes, requested: str) -> Choice:
+    """The layers' and the final RMSNorm: apex's on a GPU, the project's C kernel on a CPU,
+    else torch's (``off``: torch's everywhere)."""
+    if p.get("cuda").ok or requested == "off":
+        return _pick(p, "fused_norm", requested, "apex", "torch", "off", "apex_norm")
+    kernels = p.get("cpu_kernels")
+    if kernels.ok:
+        return Choice("cpu", kernels.detail if requested == "auto" else "set in config; on CPU")
+    if requested == "auto":
+        return Choice("torch", kernels.detail)
+    raise ConfigError(
+        "runtime.fused_norm", f"'on' requested on CPU but {kernels.detail}; use auto or off"
+    )
 
 
 def _core_attention(requested: str, layer_spec: Choice) -> Choice:
