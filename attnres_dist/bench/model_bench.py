@@ -11,10 +11,11 @@ without metadata-only ops), the per-op overhead a CPU step pays.
 
 * ``step``: for each shape (``SHAPES``: the tiny default, the study's 12 x 64, a deep 32 x 64),
   baseline, Block and Full AttnRes, each on the old path (``model.attnres.impl=lean``,
-  Megatron's core attention) and the new one (the config's default depth-attention
-  implementation, ``runtime.core_attention=auto``). Ratios: AttnRes / baseline per path, and
-  new / old per mode. The implementations are parameters (``old_impl``, ``new_impl``; None =
-  the config's default), so a newly registered one is measured by naming it.
+  Megatron's core attention, torch's RMSNorm) and the new one (the config's default
+  depth-attention implementation, ``runtime.core_attention=auto``,
+  ``runtime.fused_norm=auto``). Ratios: AttnRes / baseline per path, and new / old per mode.
+  The implementations are parameters (``old_impl``, ``new_impl``; None = the config's
+  default), so a newly registered one is measured by naming it.
 * ``throughput``: tokens/s of ``make train-single``'s model (``configs/tiny.yaml``) on either
   path and of its baseline-residual twin, against ``PlainGPT`` of the same shape
   (``attnres_dist.bench.plain_gpt``), in the same process and threads.
@@ -50,11 +51,16 @@ FLOOR_MEGATRON_OVER_PLAIN = 0.85
 
 
 def path_overrides(path: str, old_impl: str = "lean", new_impl: str | None = None) -> list[str]:
-    """Config words of the ``old`` path (lean op, Megatron's attention) or the ``new`` one."""
+    """Config words of the ``old`` path (lean op, Megatron's attention, torch's RMSNorm) or the
+    ``new`` one (the defaults: on CPU the fused kernels, SDPA and the C RMSNorm)."""
     if path == "old":
-        return [f"model.attnres.impl={old_impl}", "runtime.core_attention=megatron"]
+        return [
+            f"model.attnres.impl={old_impl}",
+            "runtime.core_attention=megatron",
+            "runtime.fused_norm=off",
+        ]
     impl = [] if new_impl is None else [f"model.attnres.impl={new_impl}"]
-    return [*impl, "runtime.core_attention=auto"]
+    return [*impl, "runtime.core_attention=auto", "runtime.fused_norm=auto"]
 
 
 @contextlib.contextmanager
@@ -109,7 +115,10 @@ def build_case(overrides: list[str], window: torch.Tensor, config=CONFIG) -> Cas
     runtime = select_runtime(cfg.runtime)
     model = AttnResGPT(ModelBuilder(cfg.model, VOCAB, seed=cfg.train.seed, runtime=runtime))
     impl = cfg.model.attnres.impl
-    describe = f"{model.plan.describe()}; impl={impl}; {runtime.core_attention.value} attention"
+    describe = (
+        f"{model.plan.describe()}; impl={impl}; {runtime.core_attention.value} attention; "
+        f"{runtime.norm.value} RMSNorm"
+    )
     return Case(model, window.to(model.device), describe)
 
 

@@ -10,8 +10,8 @@ and starting each step after a barrier, so that machine noise hits all of them a
   one backward traversal per element, DESIGN.md section 3);
 * ``baseline``:     the standard residual model (``k = 1``);
 * ``block_old``, ``baseline_old``: the first and the third on the old path (the lean
-  depth-attention op and Megatron's core attention; ``model_bench.path_overrides``), where the
-  others take the new one (the default implementation, ``runtime.core_attention=auto``).
+  depth-attention op, Megatron's core attention, torch's RMSNorm;
+  ``model_bench.path_overrides``), where the others take the new one (the defaults).
 
 After the timed steps, one more step per variant measures each stage's peak tensor memory
 (``attnres_dist.bench.peak_memory``).
