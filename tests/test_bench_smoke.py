@@ -56,6 +56,24 @@ def test_pipeline_bench_smoke(small_dataset, tmp_path):
     assert "vs a plain-PyTorch GPT" in summary and "Peak memory per pipeline stage" in summary
 
 
+def test_norm_bench_smoke(tmp_path):
+    from attnres_dist.bench import norm_bench
+    from attnres_dist.ops.cpu_rms_norm import requirement
+
+    result = norm_bench.run(tmp_path, tokens=32, reps=1, warmup=0)
+    assert (tmp_path / "norm.json").exists()
+    rows = norm_bench.markdown_rows(result)
+    if requirement() is not None:
+        assert result["skipped"] == requirement() and "skipped" in rows[0]
+        return
+    assert set(result["dims"]) == {str(d) for d in norm_bench.DIMS} and len(rows) == 2
+    for v in result["dims"].values():
+        assert v["cpu_over_torch"] > 0
+        # both within float32 rounding of the definition
+        assert max(v["max_error_vs_float64"].values()) < 1e-4
+    assert rows[0].startswith("| RMSNorm time, C kernel / torch (D = 64) |")
+
+
 SMOKE_SHAPE = ("model.num_layers=2", "model.hidden_size=32", "model.attnres.block_size=3")
 
 

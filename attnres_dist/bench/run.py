@@ -5,8 +5,9 @@ pipeline benchmark (``pipeline_bench``, a 2-rank torchrun job), the precision be
 (``precision_bench``: fp32 vs DeepSpeed's bf16 engine vs ZeRO-1 at dp = 2, a 2-rank job), the
 model benchmark
 (``model_bench``, in this process: AttnRes / baseline step time at three shapes, old path vs
-new; tokens/s against a plain-PyTorch GPT) and the generation benchmark (``generation_bench``,
-in this process); the last two open a one-process group. Each writes its own JSON into
+new; tokens/s against a plain-PyTorch GPT), the generation benchmark (``generation_bench``,
+in this process) and the RMSNorm benchmark (``norm_bench``: the C kernel against torch's);
+the model and generation benchmarks open a one-process group. Each writes its own JSON into
 ``DIR``. The summary lists each ratio with what it compares, and the
 per-boundary bytes predicted by the activation contract next to the bytes measured on the wire.
 
@@ -22,6 +23,7 @@ from attnres_dist.bench import (
     depth_attention_bench,
     generation_bench,
     model_bench,
+    norm_bench,
     pipeline_bench,
     precision_bench,
 )
@@ -208,6 +210,7 @@ def summary_markdown(
     gen: dict | None = None,
     model: dict | None = None,
     prec: dict | None = None,
+    norm: dict | None = None,
 ) -> str:
     r, p = depth["ratios"], pipe["ratios"]
     v = pipe["variants"]
@@ -253,6 +256,7 @@ def summary_markdown(
             if k.endswith("_peak_memory_block_new_over_old")
         ),
         *(generation_rows(gen) if gen is not None else []),
+        *(norm_bench.markdown_rows(norm) if norm is not None else []),
         *([] if model is None else _model_rows(model)),
         *_memory_rows(pipe),
         "",
@@ -312,13 +316,15 @@ def main(argv: list[str] | None = None) -> None:
         model = model_bench.run(out, shapes=QUICK_SHAPES, batch=4, seq=64, reps=2, warmup=1)
         prec = precision_bench.run(out, reps=2, warmup=1)
         gen = generation_bench.run(out, new=16, reps=1, warmup=0)
+        norm = norm_bench.run(out, tokens=256, reps=3, warmup=1)
     else:
         depth = depth_attention_bench.run(out)
         pipe = pipeline_bench.run(out)
         prec = precision_bench.run(out)
         model = model_bench.run(out)
         gen = generation_bench.run(out)
-    text = summary_markdown(depth, pipe, gen, model, prec)
+        norm = norm_bench.run(out)
+    text = summary_markdown(depth, pipe, gen, model, prec, norm)
     (out / "summary.md").write_text(text)
     print(text)
 
