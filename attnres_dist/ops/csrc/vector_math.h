@@ -1,4 +1,4 @@
-/* Shared by the CPU kernels (phase1_cpu.c, merge_cpu.c, rms_norm_cpu.c): float vectors, dot
+/* Shared by the CPU kernels (phase1_cpu.c, merge_cpu.c, rms_norm_cpu.c): eight-float vectors, dot
  * products, the vectorised exponential, prefetch and tile sizes, and the entry points' handling
  * of queries and gains.
  *
@@ -16,20 +16,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* VW-float vectors (GCC / clang vector extensions), loaded and stored unaligned: sixteen floats
- * (one zmm register) where the compiler targets AVX-512, which measured 1.1-1.5x faster than
- * eight on phase 1 at D = 64 and 128; else eight (AVX2 ymm, or two NEON registers on arm64).
- * Every sum is formed in a fixed order, so no fast-math flag is needed and a token's result
- * does not depend on the thread count. */
-#ifndef VW
-#if defined(__AVX512F__)
-#define VW 16
-#else
+/* Eight-float vectors (GCC / clang vector extensions: AVX2 / AVX-512VL registers on x86, two
+ * NEON registers on arm64), loaded and stored unaligned. Every sum is formed in a fixed order,
+ * so no fast-math flag is needed and a token's result does not depend on the thread count. */
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
 #define VW 8
-#endif
-#endif
-typedef float vf __attribute__((vector_size(VW * 4)));
-typedef int32_t vi __attribute__((vector_size(VW * 4)));
 
 static inline vf vload(const float *p) {
     vf v;
@@ -39,15 +31,7 @@ static inline vf vload(const float *p) {
 
 static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
-static inline float vsum(vf x) {
-    typedef float v8 __attribute__((vector_size(32)));
-    v8 v;
-    memcpy(&v, &x, sizeof v);
-#if VW == 16 /* the two halves first (a shuffle GCC 11 does not have as a builtin) */
-    v8 hi;
-    memcpy(&hi, (const char *)&x + sizeof v, sizeof hi);
-    v += hi;
-#endif
+static inline float vsum(vf v) {
     return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
 }
 
