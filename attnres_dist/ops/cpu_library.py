@@ -121,6 +121,12 @@ def ptr(t: Tensor | None):
     return None if t is None else t.data_ptr()
 
 
+def runs_here(*tensors: Tensor) -> bool:
+    """Whether the kernels take these tensors: on the CPU and not float64 (the callers fall back
+    to torch otherwise)."""
+    return all(t.device.type == "cpu" and t.dtype != torch.float64 for t in tensors)
+
+
 def f32(t: Tensor) -> Tensor:
     """``t`` as a contiguous float32 tensor (itself when it already is one)."""
     if t.dtype != torch.float32:

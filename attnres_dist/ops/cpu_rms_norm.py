@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from attnres_dist.ops.cpu_library import call, cast, f32, ptr, requirement
+from attnres_dist.ops.cpu_library import call, cast, f32, ptr, requirement, runs_here
 
 __all__ = ["CpuRMSNorm", "requirement", "rms_norm"]
 
@@ -57,8 +57,7 @@ class _RMSNorm(torch.autograd.Function):
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-5) -> Tensor:
     """RMSNorm over the last dimension with gain ``weight`` ``[D]``."""
-    runs_here = all(t.device.type == "cpu" and t.dtype != torch.float64 for t in (x, weight))
-    if not runs_here:
+    if not runs_here(x, weight):
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return _RMSNorm.apply(x, weight, eps)
 

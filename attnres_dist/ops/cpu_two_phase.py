@@ -19,14 +19,10 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from attnres_dist.ops import two_phase
-from attnres_dist.ops.cpu_library import call, cast, f32, ptr, requirement
+from attnres_dist.ops.cpu_library import call, cast, f32, ptr, requirement, runs_here
 from attnres_dist.ops.depth_attention import one_pass_adapter
 
 __all__ = ["one_pass", "phase1", "phase2", "requirement"]
-
-
-def _runs_here(*tensors: Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype != torch.float64 for t in tensors)
 
 
 def _param_grads(query: Tensor, norm_weight: Tensor, need_q: bool, need_g: bool):
@@ -203,7 +199,7 @@ def phase1(
     the backward adds the blocks' gradient instead of returning it (float32 blocks only; a
     contiguous tensor whose leading rows have the blocks' layout, see ``attnres_dist.ops``)."""
     two_phase.check_phase1(blocks, queries, norm_weights)
-    if not _runs_here(blocks, queries, norm_weights):
+    if not runs_here(blocks, queries, norm_weights):
         return two_phase.phase1(blocks, queries, norm_weights, eps)
     return _Phase1.apply(blocks, queries, norm_weights, eps, grad_into)
 
@@ -221,7 +217,7 @@ def phase2(
     the two-way softmax; several: the general merge). ``grad_into``: as for :func:`phase1`,
     for the extras' gradient."""
     two_phase.check_phase2(out1, lse, extra)
-    if not _runs_here(out1, lse, extra, query, norm_weight):
+    if not runs_here(out1, lse, extra, query, norm_weight):
         return two_phase.phase2(out1, lse, extra, query, norm_weight, eps)
     merge = _Merge1 if extra.shape[0] == 1 else _Merge
     return merge.apply(out1, lse, extra, query, norm_weight, eps, grad_into)

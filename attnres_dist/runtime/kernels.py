@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from attnres_dist.ops.cpu_rms_norm import CpuRMSNorm  # Megatron's norm signature
 from attnres_dist.runtime.select import RuntimeChoice
 
 
@@ -49,15 +50,6 @@ class ApexRMSNorm:
         from apex.normalization import FusedRMSNorm
 
         return FusedRMSNorm(hidden_size, eps=eps)
-
-
-class CpuRMSNorm:
-    """The fused C RMSNorm (``attnres_dist.ops.cpu_rms_norm``), imported when built."""
-
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
-        from attnres_dist.ops.cpu_rms_norm import CpuRMSNorm as Norm
-
-        return Norm(config, hidden_size, eps)
 
 
 _NORMS = {"apex": ApexRMSNorm, "cpu": CpuRMSNorm}  # torch: the spec's own
