@@ -120,7 +120,7 @@ def test_phase1_matches_naive_definition(impl, n, s, dim):
 
 
 @pytest.mark.parametrize("impl", TWO_PHASE)
-@pytest.mark.parametrize("n, m", [(1, 1), (3, 1), (4, 3), (9, 7)])
+@pytest.mark.parametrize("n, m", [(1, 1), (3, 1), (2, 2), (4, 3), (5, 4), (3, 5), (9, 7)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_phase2_completes_the_one_pass_softmax(impl, n, m, dtype):
     op = get_depth_attention(impl)

@@ -12,7 +12,7 @@ static void merge1_forward(const float *o1, const float *lse, const float *e, co
     for (int64_t t = 0; t < T; ++t) {
         const float *et = e + t * D, *ot = o1 + t * D;
         float r, le;
-        token_logits(et, 0, 1, D, u, 1, eps, &r, &le);
+        token_logits(et, 0, 1, D, u, eps, &r, &le);
         const float a = 1.0f / (1.0f + expf(lse[t] - le));
         float *y = out + t * D;
 #pragma omp simd
@@ -36,7 +36,10 @@ static void merge1_backward(const float *o1, const float *e, const float *u, con
         for (int64_t t = 0; t < T; ++t) {
             const float *et = e + t * D, *ot = o1 + t * D, *g = G + t * D;
             const float a = a_in[t], r = r_in[t];
-            const float da = dot(g, et, D) - dot(g, ot, D);
+            const float *rows[2] = {et, ot};
+            float ge_go[2];
+            dotsq(g, rows, D, 2, ge_go, 0, 0);
+            const float da = ge_go[0] - ge_go[1];
             const float dle = a * (1.0f - a) * da;
             const float draw = dle * r;
             const float coef = -(r * r / (float)D) * dle * le_in[t];
@@ -73,7 +76,7 @@ static void merge_forward(const float *o1, const float *lse, const float *e, con
     for (int64_t t = 0; t < T; ++t) {
         float r[m], le[m];
         const float *et = e + t * D, *ot = o1 + t * D;
-        token_logits(et, rs, m, D, u, 1, eps, r, le);
+        token_logits(et, rs, m, D, u, eps, r, le);
         float mx = lse[t];
         for (int k = 0; k < m; ++k) mx = fmaxf(mx, le[k]);
         float s = expf(lse[t] - mx);
@@ -108,14 +111,17 @@ static void merge_backward(const float *o1, const float *lse, const float *e, co
         float *du = du_part + (int64_t)omp_get_thread_num() * D;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; ++t) {
-            float a[m], dle[m];
-            const float *et = e + t * D, *ot = o1 + t * D, *g = G + t * D;
+            float a[m], dg[m + 1]; /* dg = <G, o1>, then <G, e_k> */
+            const float *et = e + t * D, *ot = o1 + t * D, *g = G + t * D, *rows[m + 1];
+            rows[0] = ot;
+            for (int k = 0; k < m; ++k) rows[k + 1] = et + k * rs;
+            dots(g, rows, m + 1, D, dg);
+            const float *dle = dg + 1;
             const float total = total_in[t];
-            const float a0 = expf(lse[t] - total), da0 = dot(g, ot, D);
+            const float a0 = expf(lse[t] - total), da0 = dg[0];
             float c = a0 * da0;
             for (int k = 0; k < m; ++k) {
                 a[k] = expf(le_in[k * T + t] - total);
-                dle[k] = dot(g, et + k * rs, D);
                 c += a[k] * dle[k];
             }
             glse[t] = a0 * (da0 - c);

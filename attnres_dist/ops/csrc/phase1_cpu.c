@@ -42,15 +42,29 @@ INLINE void token_softmax(float *p, int n, int S, const int QW, float *lse, int6
     }
     for (int i = n * SQ; i < PADV(n * SQ); ++i) p[i] = -100.f;
     exp_inplace(p, PADV(n * SQ));
-    for (int l = 0; l < SQ; ++l) inv[l] = 0.f;
-    for (int j = 0; j < n; ++j)
-        for (int l = 0; l < SQ; ++l) inv[l] += p[j * SQ + l];
+    if (QW == 4) {
+        for (int l0 = 0; l0 < SQ; l0 += 4) {
+            vf4 s = vload4(p + l0);
+            for (int j = 1; j < n; ++j) s += vload4(p + j * SQ + l0);
+            vstore4(inv + l0, s);
+        }
+    } else {
+        for (int l = 0; l < SQ; ++l) inv[l] = 0.f;
+        for (int j = 0; j < n; ++j)
+            for (int l = 0; l < SQ; ++l) inv[l] += p[j * SQ + l];
+    }
     for (int l = 0; l < SQ; ++l) {
         if (l < S) lse[l * lss] = mx[l] + logf(inv[l]);
         inv[l] = l < S ? 1.0f / inv[l] : 0.f;
     }
-    for (int j = 0; j < n; ++j)
-        for (int l = 0; l < SQ; ++l) p[j * SQ + l] *= inv[l];
+    if (QW == 4) {
+        for (int j = 0; j < n; ++j)
+            for (int l0 = 0; l0 < SQ; l0 += 4)
+                vstore4(p + j * SQ + l0, vload4(p + j * SQ + l0) * vload4(inv + l0));
+    } else {
+        for (int j = 0; j < n; ++j)
+            for (int l = 0; l < SQ; ++l) p[j * SQ + l] *= inv[l];
+    }
 }
 
 /* One token of phase 1's forward: bt its first row (rows rs apart), out its first output row
@@ -59,7 +73,7 @@ INLINE void phase1_token_forward(const float *bt, int64_t rs, int n, int D, int 
                                  const float *u, float eps, float *out, int64_t os, float *lse,
                                  int64_t lss, float *logit, float *r, int prefetch, int tiled) {
     const int SQ = (S + QW - 1) / QW * QW;
-    float p[PADV(n * SQ)], sq = 0.f, tile[tiled ? n * D : 1];
+    float p[PADV(n * SQ)], sq[n], tile[tiled ? n * D : 1];
     const float *xb = tiled ? tile : bt; /* rows after the first pass, xs apart */
     const int64_t xs = tiled ? D : rs;
     for (int j = 0; j < n; ++j) {
@@ -69,11 +83,16 @@ INLINE void phase1_token_forward(const float *bt, int64_t rs, int n, int D, int 
         for (int l0 = 0; l0 < SQ; l0 += QW) {
             const float *w[4];
             for (int k = 0; k < QW; ++k) w[k] = u + (int64_t)(l0 + k) * D;
-            dotsq(x, w, D, QW, pj + l0, l0 ? 0 : &sq, tiled && !l0 ? tile + j * D : 0);
+            dotsq(x, w, D, QW, pj + l0, l0 ? 0 : sq + j, tiled && !l0 ? tile + j * D : 0);
         }
-        const float rj = 1.0f / sqrtf(sq / (float)D + eps);
-        r[j] = rj;
-        for (int l = 0; l < SQ; ++l) pj[l] *= rj;
+    }
+    /* the key statistics and scaled logits after all rows' dot products: no row waits on its
+     * square root */
+#pragma omp simd
+    for (int j = 0; j < n; ++j) r[j] = 1.0f / sqrtf(sq[j] / (float)D + eps);
+    for (int j = 0; j < n; ++j) {
+        float *pj = p + j * SQ;
+        for (int l = 0; l < SQ; ++l) pj[l] *= r[j];
         for (int l = 0; l < S; ++l) logit[j * S + l] = pj[l];
     }
     token_softmax(p, n, S, QW, lse, lss);
@@ -81,6 +100,29 @@ INLINE void phase1_token_forward(const float *bt, int64_t rs, int n, int D, int 
     for (int l0 = 0; l0 < S; l0 += QW) {
         float *o0 = out + l0 * os;
         int d = 0;
+        /* two vector chunks at a time: eight independent sums, each over j in order */
+        for (; d + 2 * VW <= D; d += 2 * VW) {
+            vf c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0}, h0 = {0}, h1 = {0}, h2 = {0}, h3 = {0};
+            for (int j = 0; j < n; ++j) {
+                const vf xv = vload(xb + j * xs + d), xh = vload(xb + j * xs + d + VW);
+                const float *pj = p + j * SQ + l0;
+                c0 += pj[0] * xv;
+                h0 += pj[0] * xh;
+                c1 += pj[1] * xv;
+                h1 += pj[1] * xh;
+                if (QW > 2) {
+                    c2 += pj[2] * xv;
+                    h2 += pj[2] * xh;
+                    c3 += pj[3] * xv;
+                    h3 += pj[3] * xh;
+                }
+            }
+            vstore(o0 + d, c0), vstore(o0 + d + VW, h0);
+            float *o = o0 + os + d;
+            if (l0 + 1 < S) vstore(o, c1), vstore(o + VW, h1);
+            if (QW > 2 && l0 + 2 < S) vstore(o + os, c2), vstore(o + os + VW, h2);
+            if (QW > 2 && l0 + 3 < S) vstore(o + 2 * os, c3), vstore(o + 2 * os + VW, h3);
+        }
         for (; d + VW <= D; d += VW) {
             vf c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
             for (int j = 0; j < n; ++j) {

@@ -23,6 +23,11 @@ typedef float vf __attribute__((vector_size(32)));
 typedef int32_t vi __attribute__((vector_size(32)));
 #define VW 8
 
+/* Four-float vectors: four queries' sums, and per-token softmax bookkeeping over [n, S4] arrays
+ * (a row's queries in groups of four). */
+typedef float vf4 __attribute__((vector_size(16)));
+typedef int32_t vi4 __attribute__((vector_size(16)));
+
 static inline vf vload(const float *p) {
     vf v;
     memcpy(&v, p, sizeof v);
@@ -33,6 +38,19 @@ static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
 static inline float vsum(vf v) {
     return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
+
+/* (vsum(a), vsum(b), vsum(c), vsum(d)), each in vsum's order, sharing the shuffles: halves
+ * folded 8 -> 4, pairs of vectors' halves 4 -> 2, then adjacent lanes 2 -> 1. */
+static inline vf4 lo4(vf v) { return (vf4){v[0], v[1], v[2], v[3]}; }
+static inline vf4 hi4(vf v) { return (vf4){v[4], v[5], v[6], v[7]}; }
+
+static inline vf4 vsum4(vf a, vf b, vf c, vf d) {
+    const vf4 a4 = lo4(a) + hi4(a), b4 = lo4(b) + hi4(b);
+    const vf4 c4 = lo4(c) + hi4(c), d4 = lo4(d) + hi4(d);
+    const vf4 ab = (vf4){a4[0], a4[1], b4[0], b4[1]} + (vf4){a4[2], a4[3], b4[2], b4[3]};
+    const vf4 cd = (vf4){c4[0], c4[1], d4[0], d4[1]} + (vf4){c4[2], c4[3], d4[2], d4[3]};
+    return (vf4){ab[0], ab[2], cd[0], cd[2]} + (vf4){ab[1], ab[3], cd[1], cd[3]};
 }
 
 static inline float dot(const float *a, const float *b, int D) {
@@ -101,7 +119,9 @@ INLINE void dotsq(const float *restrict x, const float *const *w, int D, const i
             a3 += xv * vload(w3 + d);
         }
     }
-    float s0 = vsum(a0), s1 = vsum(a1), s2 = vsum(a2), s3 = vsum(a3), q = vsum(aq);
+    const vf4 sums = QW > 2 ? vsum4(a0, a1, a2, a3) : vsum4(a0, a1, aq, aq);
+    float s0 = sums[0], s1 = sums[1], s2 = QW > 2 ? sums[2] : 0.f, s3 = QW > 2 ? sums[3] : 0.f;
+    float q = QW > 2 ? (sq ? vsum(aq) : 0.f) : sums[2];
     for (; d < D; ++d) {
         if (copy) copy[d] = x[d];
         q += x[d] * x[d];
@@ -117,11 +137,7 @@ INLINE void dotsq(const float *restrict x, const float *const *w, int D, const i
     if (sq) *sq = q;
 }
 
-/* Four-float vectors for per-token softmax bookkeeping over [n, S4] arrays (a row's queries
- * in groups of four), and their elementwise maximum. */
-typedef float vf4 __attribute__((vector_size(16)));
-typedef int32_t vi4 __attribute__((vector_size(16)));
-
+/* Four-float vectors' loads, stores and elementwise maximum. */
 static inline vf4 vload4(const float *p) {
     vf4 v;
     memcpy(&v, p, sizeof v);
@@ -140,14 +156,29 @@ static inline vf4 vmax4(vf4 a, vf4 b) {
  * copies them into a contiguous tile (when n D floats fit TILE_FLOATS) that the others read. */
 #define TILE_FLOATS 16384
 
-/* r[j] = rsqrt(mean(b_j^2) + eps) and logit[j * S + l] = r[j] <b_j, u_l> for one token. */
+/* r[j] = rsqrt(mean(b_j^2) + eps) and logit[j] = r[j] <b_j, u> for one token (one query):
+ * both sums of a row in one pass. */
 static inline void token_logits(const float *b, int64_t row_stride, int n, int D, const float *u,
-                         int S, float eps, float *r, float *logit) {
+                                float eps, float *r, float *logit) {
+    const float *w[2] = {u, u};
     for (int j = 0; j < n; ++j) {
-        const float *x = b + j * row_stride;
-        const float rj = 1.0f / sqrtf(dot(x, x, D) / (float)D + eps);
-        r[j] = rj;
-        for (int l = 0; l < S; ++l) logit[j * S + l] = rj * dot(x, u + (int64_t)l * D, D);
+        float s[2], sq;
+        dotsq(b + j * row_stride, w, D, 2, s, &sq, 0);
+        r[j] = 1.0f / sqrtf(sq / (float)D + eps);
+        logit[j] = r[j] * s[0];
+    }
+}
+
+/* out[i] = <x, rows[i]> for i < count, four rows per pass over x. */
+static inline void dots(const float *x, const float *const *rows, int count, int D, float *out) {
+    int i = 0;
+    for (; i + 4 <= count; i += 4) dotsq(x, rows + i, D, 4, out + i, 0, 0);
+    for (; i < count; i += 2) {
+        const float *w[2] = {rows[i], rows[i + 1 < count ? i + 1 : i]};
+        float s[2];
+        dotsq(x, w, D, 2, s, 0, 0);
+        out[i] = s[0];
+        if (i + 1 < count) out[i + 1] = s[1];
     }
 }
 
