@@ -100,9 +100,9 @@ class AttnResLayer(torch.nn.Module):
                 out1, lse, extra, into = merge_inputs(state, sublayer, mixer.grad_into)
                 inputs = (out1, lse, extra, state.store.dtype, into)
                 if self.recompute == "attnres" and torch.is_grad_enabled():
-                    normed = checkpoint(lambda *a: norm(mixer.merge(*a)), *inputs)
+                    normed = checkpoint(lambda *a: mixer.merge_norm(norm, *a), *inputs)
                 else:
-                    normed = norm(mixer.merge(*inputs))
+                    normed = mixer.merge_norm(norm, *inputs)
             else:
                 sources = state.sources()
                 if self.recompute == "attnres" and torch.is_grad_enabled():

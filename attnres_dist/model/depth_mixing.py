@@ -34,6 +34,7 @@ import torch
 from attnres_dist.config.block_plan import BlockPlan
 from attnres_dist.model.depth_state import DepthState, Phase1Cache
 from attnres_dist.ops import get_depth_attention
+from attnres_dist.ops.cpu_rms_norm import CpuRMSNorm
 
 FULL_GROUP = 8  # phase-1 batch of Full AttnRes (sublayers)
 
@@ -48,6 +49,7 @@ class DepthMixer(torch.nn.Module):
         self.eps = eps
         self.impl = impl
         self._op = get_depth_attention(impl)
+        self._merge_norm = self._op.merge_norm  # phase 2 + RMSNorm fused, or None
 
     @property
     def two_phase(self) -> bool:
@@ -70,6 +72,21 @@ class DepthMixer(torch.nn.Module):
         kw = {} if into is None else {"grad_into": into}
         q, g = self.query, self.key_norm_weight
         return self._op.phase2(out1, lse, extra, q, g, eps=self.eps, **kw)
+
+    def merge_norm(self, norm, out1, lse, extra, dtype: torch.dtype, into=None):
+        """``norm(self.merge(...))``; one fused kernel where the op has one (``merge_norm`` of
+        the implementation) for this norm (a ``CpuRMSNorm``) and one extra source."""
+        fused = self._merge_norm
+        if (
+            fused is None
+            or extra is None
+            or extra.shape[0] != 1
+            or not isinstance(norm, CpuRMSNorm)
+        ):
+            return norm(self.merge(out1, lse, extra, dtype, into))
+        kw = {} if into is None else {"grad_into": into}
+        q, g = self.query, self.key_norm_weight
+        return fused(out1, lse, extra, q, g, norm.weight, eps=self.eps, norm_eps=norm.eps, **kw)
 
     def attend_store(self, state: DepthState) -> torch.Tensor:
         """The whole two-phase mix for this mixer alone (the final aggregation)."""

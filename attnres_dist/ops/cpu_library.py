@@ -35,6 +35,8 @@ _SIGNATURES = {  # exported entry points; each returns 0, or -1 out of memory
     "phase1_bwd": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _L, _I, _I, _P, _I, _P, _P, _I),
     "merge1_fwd": (_P, _P, _P, _P, _P, _L, _I, _F, _P, _P, _I),
     "merge1_bwd": (_P, _P, _P, _P, _P, _P, _L, _I, _P, _P, _P, _I, _P, _P, _I),
+    "merge1_norm_fwd": (_P, _P, _P, _P, _P, _P, _L, _I, _F, _F, _P, _P, _I),
+    "merge1_norm_bwd": (_P, _P, _P, _P, _P, _P, _P, _L, _I, _P, _P, _P, _I, _P, _P, _P, _I),
     "merge_fwd": (_P, _P, _P, _P, _P, _I, _L, _I, _F, _P, _P, _I),
     "merge_bwd": (_P, _P, _P, _P, _P, _P, _P, _I, _L, _I, _P, _P, _P, _I, _P, _P, _I),
     "rms_norm_fwd": (_P, _P, _L, _I, _F, _P, _P, _I),

@@ -4,63 +4,126 @@
  */
 #include "vector_math.h"
 
+/* One token of the two-way merge: y = lerp(o1, e, a), a = sigmoid(le - lse), le = r <e, u>;
+ * a, le, r to *stats, stats[T], stats[2 T]. */
+INLINE void merge1_token_forward(const float *ot, float lse, const float *et, const float *u,
+                                 int D, float eps, float *y, float *stats, int64_t T) {
+    float r, le;
+    token_logits(et, 0, 1, D, u, eps, &r, &le);
+    const float a = 1.0f / (1.0f + expf(lse - le));
+#pragma omp simd
+    for (int d = 0; d < D; ++d) y[d] = ot[d] + a * (et[d] - ot[d]);
+    stats[0] = a, stats[T] = le, stats[2 * T] = r;
+}
+
+/* One token of its backward (g: the output's gradient; see merge1_backward). */
+INLINE void merge1_token_backward(const float *ot, const float *et, const float *u, float a,
+                                  float le, float r, const float *g, int D, float *go1,
+                                  float *glse, float *ge, int accumulate, float *du) {
+    const float *rows[2] = {et, ot};
+    float ge_go[2];
+    dotsq(g, rows, D, 2, ge_go, 0, 0);
+    const float da = ge_go[0] - ge_go[1];
+    const float dle = a * (1.0f - a) * da;
+    const float draw = dle * r;
+    const float coef = -(r * r / (float)D) * dle * le;
+    *glse = -dle;
+    if (go1) {
+#pragma omp simd
+        for (int d = 0; d < D; ++d) go1[d] = g[d] * (1.0f - a);
+    }
+    if (ge) {
+        if (accumulate) {
+#pragma omp simd
+            for (int d = 0; d < D; ++d) ge[d] += g[d] * a + draw * u[d] + coef * et[d];
+        } else {
+#pragma omp simd
+            for (int d = 0; d < D; ++d) ge[d] = g[d] * a + draw * u[d] + coef * et[d];
+        }
+    }
+#pragma omp simd
+    for (int d = 0; d < D; ++d) du[d] += draw * et[d];
+}
+
 /* out = lerp(o1, e, a), a = sigmoid(le - lse), le = r <e, u>: saves a, le, r ([T] each). */
 static void merge1_forward(const float *o1, const float *lse, const float *e, const float *u,
-                    int64_t T, int D, float eps, float *out, float *a_out, float *le_out,
-                    float *r_out, int threads) {
+                           int64_t T, int D, float eps, float *out, float *stats, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-        const float *et = e + t * D, *ot = o1 + t * D;
-        float r, le;
-        token_logits(et, 0, 1, D, u, eps, &r, &le);
-        const float a = 1.0f / (1.0f + expf(lse[t] - le));
-        float *y = out + t * D;
-#pragma omp simd
-        for (int d = 0; d < D; ++d) y[d] = ot[d] + a * (et[d] - ot[d]);
-        a_out[t] = a;
-        le_out[t] = le;
-        r_out[t] = r;
-    }
+    for (int64_t t = 0; t < T; ++t)
+        merge1_token_forward(o1 + t * D, lse[t], e + t * D, u, D, eps, out + t * D, stats + t, T);
 }
 
 /* d a = <G, e - o1>, d le = a (1 - a) d a; d o1 = G (1 - a), d lse = -d le,
  * d e = G a + r d le u - r^2 / D d le le e, du = sum_t r d le e (per thread). */
-static void merge1_backward(const float *o1, const float *e, const float *u, const float *a_in,
-                            const float *le_in, const float *r_in, const float *G, int64_t T,
-                            int D, float *go1, float *glse, float *ge, int accumulate,
-                            float *du_part, int threads) {
+static void merge1_backward(const float *o1, const float *e, const float *u, const float *stats,
+                            const float *G, int64_t T, int D, float *go1, float *glse, float *ge,
+                            int accumulate, float *du_part, int threads) {
 #pragma omp parallel num_threads(threads)
     {
         float *du = du_part + (int64_t)omp_get_thread_num() * D;
 #pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t)
+            merge1_token_backward(o1 + t * D, e + t * D, u, stats[t], stats[T + t],
+                                  stats[2 * T + t], G + t * D, D, go1 ? go1 + t * D : 0,
+                                  glse + t, ge ? ge + t * D : 0, accumulate, du);
+    }
+}
+
+/* The two-way merge followed by RMSNorm with gain w (the sublayer's PreNorm), per token: the
+ * merged row h stays in L1, y = h rn w with rn = rsqrt(mean(h^2) + norm_eps), computed as
+ * rms_norm_cpu.c does; saves a, le, r and rn ([T] each). */
+static void merge1_norm_forward(const float *o1, const float *lse, const float *e,
+                                const float *u, const float *w, int64_t T, int D, float eps,
+                                float norm_eps, float *y, float *stats, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+        float h[D];
+        merge1_token_forward(o1 + t * D, lse[t], e + t * D, u, D, eps, h, stats + t, T);
+        const float rn = 1.0f / sqrtf(dot(h, h, D) / (float)D + norm_eps);
+        float *yt = y + t * D;
+        int d = 0;
+        for (; d + VW <= D; d += VW) vstore(yt + d, vload(h + d) * rn * vload(w + d));
+        for (; d < D; ++d) yt[d] = h[d] * rn * w[d];
+        stats[3 * T + t] = rn;
+    }
+}
+
+/* Its backward: h is formed again from o1, e and a; the norm's backward (as rms_norm_cpu.c's:
+ * dh = rn (G w - h c), c = <G w, h> rn^2 / D; dw = sum_t G h rn, per thread) gives the merge's
+ * output gradient, which merge1_token_backward takes. */
+static void merge1_norm_backward(const float *o1, const float *e, const float *u, const float *w,
+                                 const float *stats, const float *G, int64_t T, int D,
+                                 float *go1, float *glse, float *ge, int accumulate,
+                                 float *du_part, float *gw_part, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        float *du = du_part + (int64_t)omp_get_thread_num() * D;
+        float *gw = gw_part + (int64_t)omp_get_thread_num() * D;
+#pragma omp for schedule(static)
         for (int64_t t = 0; t < T; ++t) {
-            const float *et = e + t * D, *ot = o1 + t * D, *g = G + t * D;
-            const float a = a_in[t], r = r_in[t];
-            const float *rows[2] = {et, ot};
-            float ge_go[2];
-            dotsq(g, rows, D, 2, ge_go, 0, 0);
-            const float da = ge_go[0] - ge_go[1];
-            const float dle = a * (1.0f - a) * da;
-            const float draw = dle * r;
-            const float coef = -(r * r / (float)D) * dle * le_in[t];
-            glse[t] = -dle;
-            if (go1) {
-                float *y = go1 + t * D;
+            const float *ot = o1 + t * D, *et = e + t * D, *g = G + t * D;
+            const float a = stats[t], rn = stats[3 * T + t];
+            float h[D], dh[D];
 #pragma omp simd
-                for (int d = 0; d < D; ++d) y[d] = g[d] * (1.0f - a);
+            for (int d = 0; d < D; ++d) h[d] = ot[d] + a * (et[d] - ot[d]);
+            vf acc = {0};
+            int d = 0;
+            for (; d + VW <= D; d += VW) acc += vload(g + d) * vload(w + d) * vload(h + d);
+            float s = vsum(acc);
+            for (; d < D; ++d) s += g[d] * w[d] * h[d];
+            const float c = s * rn * rn / (float)D;
+            for (d = 0; d + VW <= D; d += VW) {
+                const vf hv = vload(h + d), gv = vload(g + d);
+                vstore(dh + d, (gv * vload(w + d) - hv * c) * rn);
+                vstore(gw + d, vload(gw + d) + gv * hv * rn);
             }
-            if (ge) {
-                float *y = ge + t * D;
-                if (accumulate) {
-#pragma omp simd
-                    for (int d = 0; d < D; ++d) y[d] += g[d] * a + draw * u[d] + coef * et[d];
-                } else {
-#pragma omp simd
-                    for (int d = 0; d < D; ++d) y[d] = g[d] * a + draw * u[d] + coef * et[d];
-                }
+            for (; d < D; ++d) {
+                dh[d] = (g[d] * w[d] - h[d] * c) * rn;
+                gw[d] += g[d] * h[d] * rn;
             }
-#pragma omp simd
-            for (int d = 0; d < D; ++d) du[d] += draw * et[d];
+            merge1_token_backward(ot, et, u, a, stats[T + t], stats[2 * T + t], dh, D,
+                                  go1 ? go1 + t * D : 0, glse + t, ge ? ge + t * D : 0,
+                                  accumulate, du);
         }
     }
 }
@@ -156,7 +219,7 @@ int merge1_fwd(const float *o1, const float *lse, const float *e, const float *q
                int64_t T, int D, float eps, float *out, float *stats, int threads) {
     float *u = products(q, g, 1, 1, D);
     if (!u) return -1;
-    merge1_forward(o1, lse, e, u, T, D, eps, out, stats, stats + T, stats + 2 * T, threads);
+    merge1_forward(o1, lse, e, u, T, D, eps, out, stats, threads);
     free(u);
     return 0;
 }
@@ -167,8 +230,7 @@ int merge1_bwd(const float *o1, const float *e, const float *q, const float *g,
     BackwardWork w;
     const int ok = work_alloc(&w, q, g, 1, 1, D, threads);
     if (ok)
-        merge1_backward(o1, e, w.u, stats, stats + T, stats + 2 * T, G, T, D, go1, glse, ge,
-                        accumulate, w.du, threads);
+        merge1_backward(o1, e, w.u, stats, G, T, D, go1, glse, ge, accumulate, w.du, threads);
     return work_finish(&w, ok, threads, 1, 1, D, q, g, gq, gg);
 }
 
@@ -192,4 +254,36 @@ int merge_bwd(const float *o1, const float *lse, const float *e, const float *q,
                        stats + 2 * (int64_t)m * T, G, m, T, D, go1, glse, ge, accumulate, w.du,
                        threads);
     return work_finish(&w, ok, threads, 1, 1, D, q, g, gq, gg);
+}
+
+/* stats [4, T]: a, le, r, rn. */
+int merge1_norm_fwd(const float *o1, const float *lse, const float *e, const float *q,
+                    const float *g, const float *w, int64_t T, int D, float eps, float norm_eps,
+                    float *y, float *stats, int threads) {
+    float *u = products(q, g, 1, 1, D);
+    if (!u) return -1;
+    merge1_norm_forward(o1, lse, e, u, w, T, D, eps, norm_eps, y, stats, threads);
+    free(u);
+    return 0;
+}
+
+/* gw (the norm gain's gradient) may be NULL, like gq and gg. */
+int merge1_norm_bwd(const float *o1, const float *e, const float *q, const float *g,
+                    const float *w, const float *stats, const float *G, int64_t T, int D,
+                    float *go1, float *glse, float *ge, int accumulate, float *gq, float *gg,
+                    float *gw, int threads) {
+    BackwardWork work;
+    float *gw_part = calloc((size_t)threads * D, sizeof(float));
+    const int ok = work_alloc(&work, q, g, 1, 1, D, threads) && gw_part;
+    if (ok) {
+        merge1_norm_backward(o1, e, work.u, w, stats, G, T, D, go1, glse, ge, accumulate,
+                             work.du, gw_part, threads);
+        for (int d = 0; gw && d < D; ++d) {
+            float s = 0.f;
+            for (int k = 0; k < threads; ++k) s += gw_part[(int64_t)k * D + d];
+            gw[d] = s;
+        }
+    }
+    free(gw_part);
+    return work_finish(&work, ok, threads, 1, 1, D, q, g, gq, gg);
 }
