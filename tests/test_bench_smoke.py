@@ -66,12 +66,13 @@ def test_norm_bench_smoke(tmp_path):
     if requirement() is not None:
         assert result["skipped"] == requirement() and "skipped" in rows[0]
         return
-    assert set(result["dims"]) == {str(d) for d in norm_bench.DIMS} and len(rows) == 2
+    assert set(result["dims"]) == {str(d) for d in norm_bench.DIMS} and len(rows) == 4
     for v in result["dims"].values():
-        assert v["cpu_over_torch"] > 0
+        assert v["cpu_over_torch"] > 0 and v["merge_norm"]["fused_over_composed"] > 0
         # both within float32 rounding of the definition
         assert max(v["max_error_vs_float64"].values()) < 1e-4
     assert rows[0].startswith("| RMSNorm time, C kernel / torch (D = 64) |")
+    assert rows[1].startswith("| Block phase-2 merge + RMSNorm time, fused / composed (D = 64) |")
 
 
 SMOKE_SHAPE = ("model.num_layers=2", "model.hidden_size=32", "model.attnres.block_size=3")

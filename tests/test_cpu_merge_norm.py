@@ -1,8 +1,9 @@
-"""The fused two-way merge + RMSNorm (``ops/cpu_merge_norm.py``) against its definition written
-out in float64: the softmax over [completed blocks ++ the extra source] with RMS-normalised
-keys, then RMSNorm of the mix; values and the gradients of all six inputs, the extra's gradient
-added into a given buffer (``grad_into``), the composition it falls back to, and the model
-using it where (and only where) it applies."""
+"""The fused phase-2 merge + RMSNorm (``ops/cpu_merge_norm.py``) against its definition written
+out in float64: the softmax over [completed blocks ++ the extra sources] with RMS-normalised
+keys, then RMSNorm of the mix; values and the gradients of all six inputs for one extra source
+(Block's two-way merge) and several (Full's general one); equality with the two kernels
+composed; the extras' gradient added into a given buffer (``grad_into``); the composition it
+falls back to; and the Block and Full models with and without it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from attnres_dist.ops import get_depth_attention
-from attnres_dist.ops.cpu_merge_norm import merge1_rms_norm
+from attnres_dist.ops.cpu_merge_norm import merge_rms_norm
 from attnres_dist.ops.cpu_rms_norm import CpuRMSNorm
 from attnres_dist.ops.cpu_two_phase import requirement
 
@@ -29,10 +30,10 @@ def definition(blocks, extra, query, key_gain, norm_weight, eps=1e-6, norm_eps=1
     return _rms(mixed, norm_eps) * norm_weight
 
 
-def _inputs(n: int, dim: int, seed: int):
+def _inputs(n: int, dim: int, seed: int, m: int = 1):
     gen = torch.Generator().manual_seed(seed)
     blocks = 2 * torch.randn(n, 6, 3, dim, generator=gen)
-    extra = 2 * torch.randn(1, 6, 3, dim, generator=gen)
+    extra = 2 * torch.randn(m, 6, 3, dim, generator=gen)
     query = 0.3 * torch.randn(dim, generator=gen)
     key_gain = 1 + 0.3 * torch.randn(dim, generator=gen)
     norm_weight = 1 + 0.3 * torch.randn(dim, generator=gen)
@@ -45,29 +46,52 @@ def _phase1(blocks, query, key_gain):
     return out1[0].detach(), lse[0].detach()
 
 
-@pytest.mark.parametrize("n, dim", [(1, 16), (3, 72), (2, 128), (9, 5)])
-def test_values_and_all_gradients_match_the_definition(n, dim):
-    blocks, extra, query, key_gain, norm_weight, grad = _inputs(n, dim, n * 100 + dim)
+NAMES = ["out1", "lse", "extra", "query", "key_gain", "norm"]
+
+
+@pytest.mark.parametrize(
+    "n, m, dim",
+    [(1, 1, 16), (3, 1, 72), (2, 1, 128), (9, 1, 5), (2, 2, 16), (3, 5, 72), (4, 7, 64)],
+)
+def test_values_and_all_gradients_match_the_definition(n, m, dim):
+    blocks, extra, query, key_gain, norm_weight, grad = _inputs(n, dim, n * 100 + dim, m)
     out1, lse = _phase1(blocks, query, key_gain)
     leaves = [t.clone().requires_grad_() for t in (out1, lse, extra, query, key_gain, norm_weight)]
-    y = merge1_rms_norm(*leaves[:6], eps=1e-6, norm_eps=1e-5)
+    y = merge_rms_norm(*leaves[:6], eps=1e-6, norm_eps=1e-5)
     got = torch.autograd.grad((y * grad).sum(), leaves)
 
     # float64: out1 / lse enter as the phase-1 mix and its log-sum-exp, i.e. through
-    # a0 = exp(lse - LSE) with LSE = logaddexp(lse, le) -- the identity the merge computes
+    # a0 = exp(lse - LSE) with LSE = logsumexp(lse, le_1 .. le_m) -- the identity the merge
+    # computes
     o1, l1, e, q, g, w = (t.detach().double().requires_grad_() for t in leaves)
     le = (_rms(e, 1e-6) * g * q).sum(-1)
-    total = torch.logaddexp(l1, le[0])
-    h = torch.exp(l1 - total)[..., None] * o1 + torch.exp(le[0] - total)[..., None] * e[0]
+    total = torch.logsumexp(torch.cat([l1[None], le]), 0)
+    h = torch.exp(l1 - total)[..., None] * o1 + (torch.exp(le - total)[..., None] * e).sum(0)
     want = _rms(h, 1e-5) * w
     want_grads = torch.autograd.grad((want * grad.double()).sum(), [o1, l1, e, q, g, w])
     full = definition(blocks.double(), extra.double(), query.double(), key_gain.double(), w)
     assert (y.double() - full).abs().max() <= 1e-5 * full.abs().max()
     assert (y.double() - want).abs().max() <= 1e-5 * want.abs().max()
-    for name, a, b in zip(
-        ["out1", "lse", "extra", "query", "key_gain", "norm"], got, want_grads, strict=True
-    ):
+    for name, a, b in zip(NAMES, got, want_grads, strict=True):
         assert (a.double() - b).abs().max() <= 1e-5 * b.abs().max(), name
+
+
+@pytest.mark.parametrize("m, dim", [(1, 64), (1, 72), (3, 64), (6, 72)])
+def test_equals_the_merge_and_the_norm_composed(m, dim):
+    """Same per-token arithmetic as the two standalone kernels: values and gradients equal."""
+    from attnres_dist.ops.cpu_rms_norm import rms_norm
+    from attnres_dist.ops.cpu_two_phase import phase2
+
+    blocks, extra, query, key_gain, norm_weight, grad = _inputs(3, dim, 11 * m + dim, m)
+    out1, lse = _phase1(blocks, query, key_gain)
+    leaves = [t.clone().requires_grad_() for t in (out1, lse, extra, query, key_gain, norm_weight)]
+    fused = merge_rms_norm(*leaves)
+    composed = rms_norm(phase2(*leaves[:5]), leaves[5], 1e-5)
+    assert torch.equal(fused, composed)
+    grads_f = torch.autograd.grad(fused, leaves, grad)
+    grads_c = torch.autograd.grad(composed, leaves, grad)
+    for name, a, b in zip(NAMES, grads_f, grads_c, strict=True):
+        assert torch.equal(a, b), name
 
 
 def test_extra_gradient_is_added_into_the_given_buffer():
@@ -75,10 +99,10 @@ def test_extra_gradient_is_added_into_the_given_buffer():
     out1, lse = _phase1(blocks, query, key_gain)
     e = extra.clone().requires_grad_()
     plain = torch.autograd.grad(
-        (merge1_rms_norm(out1, lse, e, query, key_gain, norm_weight) * grad).sum(), e
+        (merge_rms_norm(out1, lse, e, query, key_gain, norm_weight) * grad).sum(), e
     )[0]
     buffer = torch.full((2, 6, 3, 32), 0.5)
-    y = merge1_rms_norm(
+    y = merge_rms_norm(
         out1,
         lse,
         extra.clone().requires_grad_(),
@@ -95,7 +119,7 @@ def test_extra_gradient_is_added_into_the_given_buffer():
 def test_other_dtypes_compose_the_merge_and_the_norm():
     blocks, extra, query, key_gain, norm_weight, _ = _inputs(2, 16, 3)
     out1, lse = _phase1(blocks, query, key_gain)
-    y = merge1_rms_norm(
+    y = merge_rms_norm(
         out1.double(),
         lse.double(),
         extra.double(),
@@ -121,18 +145,19 @@ def _model(words: list[str]):
     )
 
 
+@pytest.mark.parametrize("mode", ["block", "full"])
 @pytest.mark.parametrize("recompute", ["none", "attnres"])
-def test_block_model_with_the_fused_merge_equals_it_without(recompute):
-    """Block AttnRes with trained (non-zero) queries: the model through the fused merge + norm
-    and through the two ops gives the same loss and gradients (fp32); the fused op is called at
-    every sublayer that merges a partial block."""
+def test_model_with_the_fused_merge_equals_it_without(mode, recompute):
+    """Block and Full AttnRes with trained (non-zero) queries: the model through the fused merge
+    + norm and through the two ops gives the same loss and gradients (fp32), and the fused op
+    is called."""
     from attnres_dist.model import depth_mixing
     from attnres_dist.parallel.dims import ParallelDims
     from attnres_dist.parallel.process_groups import init_distributed
 
     init_distributed(ParallelDims(), seed=0)
     words = [
-        "model.attnres.mode=block",
+        f"model.attnres.mode={mode}",
         "model.attnres.impl=cpu_fused",
         f"parallel.recompute={recompute}",
     ]

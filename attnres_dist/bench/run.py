@@ -6,7 +6,8 @@ pipeline benchmark (``pipeline_bench``, a 2-rank torchrun job), the precision be
 model benchmark
 (``model_bench``, in this process: AttnRes / baseline step time at three shapes, old path vs
 new; tokens/s against a plain-PyTorch GPT), the generation benchmark (``generation_bench``,
-in this process) and the RMSNorm benchmark (``norm_bench``: the C kernel against torch's);
+in this process) and the RMSNorm benchmark (``norm_bench``: the C kernel against torch's, and the
+fused merge + norm against the two kernels composed);
 the model and generation benchmarks open a one-process group. Each writes its own JSON into
 ``DIR``. The summary lists each ratio with what it compares, and the
 per-boundary bytes predicted by the activation contract next to the bytes measured on the wire.

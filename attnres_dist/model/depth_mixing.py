@@ -74,15 +74,10 @@ class DepthMixer(torch.nn.Module):
         return self._op.phase2(out1, lse, extra, q, g, eps=self.eps, **kw)
 
     def merge_norm(self, norm, out1, lse, extra, dtype: torch.dtype, into=None):
-        """``norm(self.merge(...))``; one fused kernel where the op has one (``merge_norm`` of
-        the implementation) for this norm (a ``CpuRMSNorm``) and one extra source."""
+        """``norm(self.merge(...))``: one fused kernel where the implementation has one
+        (its ``merge_norm``), the norm is a ``CpuRMSNorm`` and there is something to merge."""
         fused = self._merge_norm
-        if (
-            fused is None
-            or extra is None
-            or extra.shape[0] != 1
-            or not isinstance(norm, CpuRMSNorm)
-        ):
+        if fused is None or extra is None or not isinstance(norm, CpuRMSNorm):
             return norm(self.merge(out1, lse, extra, dtype, into))
         kw = {} if into is None else {"grad_into": into}
         q, g = self.query, self.key_norm_weight

@@ -61,7 +61,7 @@ class DepthAttentionImpl:
     devices: tuple[str, ...] = ("cpu", "cuda")
     requirement: Callable[[], str | None] = _always_available
     grad_into: bool = False  # phase1 accepts grad_into= (see the module docstring)
-    # phase 2 with one extra source and the RMSNorm after it, fused:
+    # phase 2 and the RMSNorm after it, fused:
     # merge_norm(out1, lse, extra, query, norm_weight, rms_weight, eps, norm_eps[, grad_into])
     merge_norm: Callable[..., Tensor] | None = None
 
@@ -129,7 +129,7 @@ for _impl in KERNEL_IMPLS:
 
 # the fused CPU kernels (compiled on first use; requirement() says why they cannot be)
 from attnres_dist.ops import cpu_two_phase  # noqa: E402
-from attnres_dist.ops.cpu_merge_norm import merge1_rms_norm  # noqa: E402
+from attnres_dist.ops.cpu_merge_norm import merge_rms_norm  # noqa: E402
 
 register_depth_attention(
     DepthAttentionImpl(
@@ -140,6 +140,6 @@ register_depth_attention(
         devices=("cpu",),
         requirement=cpu_two_phase.requirement,
         grad_into=True,
-        merge_norm=merge1_rms_norm,
+        merge_norm=merge_rms_norm,
     )
 )

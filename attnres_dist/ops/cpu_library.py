@@ -26,8 +26,10 @@ import torch
 from torch import Tensor
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "phase1_cpu.c", CSRC / "merge_cpu.c", CSRC / "rms_norm_cpu.c")
-HEADERS = (CSRC / "vector_math.h",)
+SOURCES = tuple(
+    CSRC / f for f in ("phase1_cpu.c", "merge_cpu.c", "merge_norm_cpu.c", "rms_norm_cpu.c")
+)
+HEADERS = tuple(CSRC / f for f in ("vector_math.h", "merge_token.h", "norm_token.h"))
 FLAGS = ("-O2", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
 _F, _I, _L, _P = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {  # exported entry points; each returns 0, or -1 out of memory
@@ -35,8 +37,8 @@ _SIGNATURES = {  # exported entry points; each returns 0, or -1 out of memory
     "phase1_bwd": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _L, _I, _I, _P, _I, _P, _P, _I),
     "merge1_fwd": (_P, _P, _P, _P, _P, _L, _I, _F, _P, _P, _I),
     "merge1_bwd": (_P, _P, _P, _P, _P, _P, _L, _I, _P, _P, _P, _I, _P, _P, _I),
-    "merge1_norm_fwd": (_P, _P, _P, _P, _P, _P, _L, _I, _F, _F, _P, _P, _I),
-    "merge1_norm_bwd": (_P, _P, _P, _P, _P, _P, _P, _L, _I, _P, _P, _P, _I, _P, _P, _P, _I),
+    "merge_norm_fwd": (_P, _P, _P, _P, _P, _P, _I, _L, _I, _F, _F, _P, _P, _I),
+    "merge_norm_bwd": (*(_P,) * 8, _I, _L, _I, _P, _P, _P, _I, _P, _P, _P, _I),
     "merge_fwd": (_P, _P, _P, _P, _P, _I, _L, _I, _F, _P, _P, _I),
     "merge_bwd": (_P, _P, _P, _P, _P, _P, _P, _I, _L, _I, _P, _P, _P, _I, _P, _P, _I),
     "rms_norm_fwd": (_P, _P, _L, _I, _F, _P, _P, _I),

@@ -1,13 +1,14 @@
-"""Phase 2's two-way merge and the sublayer's RMSNorm after it, as one fused CPU kernel.
+"""Phase 2's merge and the sublayer's RMSNorm after it, as one fused CPU kernel.
 
-Block AttnRes feeds each sublayer ``norm(merge(out1, lse, partial))``: the merged row ``h`` is
-needed only by the norm. ``merge1_rms_norm`` forms ``h`` per token in L1 and normalises it
-there (``merge1_norm_fwd`` in ``csrc/merge_cpu.c``), so ``h`` is neither written nor read back,
-and the backward forms it again from the saved weight instead of saving it: two passes over
-``[tokens, D]`` and one autograd node fewer per sublayer, forward and backward. Same values
-as :func:`attnres_dist.ops.cpu_two_phase.phase2` followed by
-:func:`attnres_dist.ops.cpu_rms_norm.rms_norm`; float32 only (callers compose the two ops for
-other dtypes).
+Each AttnRes sublayer reads ``norm(merge(out1, lse, extra))``, and the merged row ``h`` is
+needed only by the norm. ``merge_rms_norm`` forms ``h`` per token in L1 and normalises it there
+(``csrc/merge_norm_cpu.c``), so ``h`` is neither written nor read back, and the backward forms
+it again from the saved weights instead of saving it: two passes over ``[tokens, D]`` and one
+autograd node fewer per sublayer, forward and backward. Same arithmetic as
+:func:`attnres_dist.ops.cpu_two_phase.phase2` (the two-way merge for one extra source, Block's
+partial; the general one for several, Full's group outputs) followed by
+:func:`attnres_dist.ops.cpu_rms_norm.rms_norm`. Float32 on the CPU; other inputs take the two
+ops composed.
 """
 
 from __future__ import annotations
@@ -22,22 +23,23 @@ from attnres_dist.ops import cpu_two_phase, two_phase
 from attnres_dist.ops.cpu_library import call, f32, ptr, runs_here
 from attnres_dist.ops.cpu_rms_norm import rms_norm
 
-__all__ = ["merge1_rms_norm"]
+__all__ = ["merge_rms_norm"]
 
 
-class _Merge1RMSNorm(torch.autograd.Function):
+class _MergeRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out1, lse, extra, query, key_gain, norm_weight, eps, norm_eps, grad_into):
-        dim = extra.shape[-1]
+        m, dim = extra.shape[0], extra.shape[-1]
         o1, l1, e = f32(out1), f32(lse), f32(extra)
         q, g, w = f32(query), f32(key_gain), f32(norm_weight)
-        tokens = e.numel() // dim
-        y, stats = e.new_empty(extra.shape[1:]), e.new_empty(4, tokens)
+        tokens = o1.numel() // dim
+        rows = 4 if m == 1 else 2 * m + 2  # the merge's statistics, then the norm's
+        y, stats = e.new_empty(extra.shape[1:]), e.new_empty(rows, tokens)
         call(
-            "merge1_norm_fwd", ptr(o1), ptr(l1), ptr(e), ptr(q), ptr(g), ptr(w), tokens, dim,
-            eps, norm_eps, ptr(y), ptr(stats), torch.get_num_threads(),
+            "merge_norm_fwd", ptr(o1), ptr(l1), ptr(e), ptr(q), ptr(g), ptr(w), m, tokens,
+            dim, eps, norm_eps, ptr(y), ptr(stats), torch.get_num_threads(),
         )  # fmt: skip
-        ctx.save_for_backward(out1, extra, query, key_gain, norm_weight, stats)
+        ctx.save_for_backward(out1, lse, extra, query, key_gain, norm_weight, stats)
         ctx.grad_into = grad_into
         ctx.set_materialize_grads(False)
         return y
@@ -45,13 +47,13 @@ class _Merge1RMSNorm(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        out1, extra, query, key_gain, norm_weight, stats = ctx.saved_tensors
+        out1, lse, extra, query, key_gain, norm_weight, stats = ctx.saved_tensors
         if grad is None:
             return (None,) * 9
-        dim = extra.shape[-1]
-        o1, e, gy = f32(out1), f32(extra), f32(grad)
+        m, dim = extra.shape[0], extra.shape[-1]
+        o1, l1, e, gy = f32(out1), f32(lse), f32(extra), f32(grad)
         q, g, w = f32(query), f32(key_gain), f32(norm_weight)
-        tokens = e.numel() // dim
+        tokens = o1.numel() // dim
         need = ctx.needs_input_grad
         go1 = torch.empty_like(o1) if need[0] else None
         glse = o1.new_empty(out1.shape[:-1])
@@ -59,15 +61,15 @@ class _Merge1RMSNorm(torch.autograd.Function):
         ge = ctx.grad_into() if into else torch.empty_like(e) if need[2] else None
         gq, gg, gw = (torch.empty(dim) if need[k] else None for k in (3, 4, 5))
         call(
-            "merge1_norm_bwd", ptr(o1), ptr(e), ptr(q), ptr(g), ptr(w), ptr(stats), ptr(gy),
-            tokens, dim, ptr(go1), ptr(glse), ptr(ge), int(into), ptr(gq), ptr(gg), ptr(gw),
-            torch.get_num_threads(),
+            "merge_norm_bwd", ptr(o1), ptr(l1), ptr(e), ptr(q), ptr(g), ptr(w), ptr(stats),
+            ptr(gy), m, tokens, dim, ptr(go1), ptr(glse), ptr(ge), int(into), ptr(gq),
+            ptr(gg), ptr(gw), torch.get_num_threads(),
         )  # fmt: skip
         grad_e = None if into else ge
         return go1, glse if need[1] else None, grad_e, gq, gg, gw, None, None, None
 
 
-def merge1_rms_norm(
+def merge_rms_norm(
     out1: Tensor,
     lse: Tensor,
     extra: Tensor,
@@ -78,16 +80,16 @@ def merge1_rms_norm(
     norm_eps: float = 1e-5,
     grad_into: Callable[[], Tensor] | None = None,
 ) -> Tensor:
-    """``rms_norm(phase2(out1, lse, extra, query, key_gain, eps), norm_weight, norm_eps)`` for
-    one extra source (``extra`` ``[1, ..., D]``). ``grad_into``: as for
+    """``rms_norm(phase2(out1, lse, extra, query, key_gain, eps), norm_weight, norm_eps)``
+    (``extra`` ``[m, ..., D]``). ``grad_into``: as for
     :func:`attnres_dist.ops.cpu_two_phase.phase2`."""
     two_phase.check_phase2(out1, lse, extra)
     tensors = (out1, lse, extra, query, key_gain, norm_weight)
-    fused = extra.shape[0] == 1 and all(t.dtype == torch.float32 for t in tensors)
+    fused = all(t.dtype == torch.float32 for t in tensors)
     if not (fused and runs_here(*tensors)):
         kw = {} if grad_into is None else {"grad_into": grad_into}
         merged = cpu_two_phase.phase2(out1, lse, extra, query, key_gain, eps, **kw)
         return rms_norm(merged, norm_weight, norm_eps)
-    return _Merge1RMSNorm.apply(
+    return _MergeRMSNorm.apply(
         out1, lse, extra, query, key_gain, norm_weight, eps, norm_eps, grad_into
     )
