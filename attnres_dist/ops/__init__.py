@@ -11,7 +11,8 @@ when it can), so a config asking for it is refused with that reason. An implemen
 ``grad_into`` set also takes ``phase1(..., grad_into=f)`` and ``phase2(..., grad_into=f)``:
 ``f()`` gives a float32 tensor of the blocks' (the extras') layout that the backward adds their
 gradient to, instead of returning it (the model's store buffer gathers its rows' gradient so,
-in one tensor).
+in one tensor). An implementation may also give ``merge_norm``: phase 2 and the RMSNorm the
+sublayer applies to its result, fused (same values as the two composed).
 
 ``"lean"`` is the memory-lean one-pass autograd function, ``"reference"`` the plain-autograd
 ground truth, ``"twophase"`` the two-phase computation in torch ops
