@@ -230,8 +230,9 @@ INLINE void phase1_token_backward(const float *bt, int64_t rs, int n, int D, int
         float *du0 = du + (int64_t)l0 * D;
         const int first = l0 == 0;
         int d = 0;
-        /* two vector chunks at a time: the scalars' broadcasts serve both */
-        for (; d + 2 * VW <= D; d += 2 * VW) {
+        /* two vector chunks at a time: the scalars' broadcasts serve both (four queries: with
+         * two, GCC contracts the adds into y differently from the one-chunk loop below) */
+        for (; QW > 2 && d + 2 * VW <= D; d += 2 * VW) {
             const vf none = {0};
             const int h = d + VW;
             const vf g0 = vload(g[l0] + d), g1 = vload(g[l0 + 1] + d);
@@ -258,8 +259,10 @@ INLINE void phase1_token_backward(const float *bt, int64_t rs, int n, int D, int
                 }
                 if (!gb) continue;
                 float *y = gb + j * rs + d, *yh = y + VW;
-                vf acc = first ? (accumulate ? vload(y) : none) + coef[j] * xv : vload(y);
-                vf ach = first ? (accumulate ? vload(yh) : none) + coef[j] * xh : vload(yh);
+                const float cj = first ? coef[j] : 0.f;
+                const int add = !first || accumulate;
+                vf acc = (add ? vload(y) : none) + cj * xv;
+                vf ach = (add ? vload(yh) : none) + cj * xh;
                 acc += pj[0] * g0 + aj[0] * w0, ach += pj[0] * G0 + aj[0] * W0;
                 acc += pj[1] * g1 + aj[1] * w1, ach += pj[1] * G1 + aj[1] * W1;
                 if (QW > 2) {
