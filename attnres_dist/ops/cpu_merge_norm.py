@@ -22,6 +22,7 @@ from torch.autograd.function import once_differentiable
 from attnres_dist.ops import cpu_two_phase, two_phase
 from attnres_dist.ops.cpu_library import call, f32, ptr, runs_here
 from attnres_dist.ops.cpu_rms_norm import rms_norm
+from attnres_dist.ops.cpu_two_phase import extra_grad, param_grads
 
 __all__ = ["merge_rms_norm"]
 
@@ -57,9 +58,9 @@ class _MergeRMSNorm(torch.autograd.Function):
         need = ctx.needs_input_grad
         go1 = torch.empty_like(o1) if need[0] else None
         glse = o1.new_empty(out1.shape[:-1])
-        into = need[2] and ctx.grad_into is not None
-        ge = ctx.grad_into() if into else torch.empty_like(e) if need[2] else None
-        gq, gg, gw = (torch.empty(dim) if need[k] else None for k in (3, 4, 5))
+        ge, into = extra_grad(ctx, e, need[2])
+        gq, gg = param_grads(query, key_gain, need[3], need[4])
+        gw = torch.empty(norm_weight.shape) if need[5] else None
         call(
             "merge_norm_bwd", ptr(o1), ptr(l1), ptr(e), ptr(q), ptr(g), ptr(w), ptr(stats),
             ptr(gy), m, tokens, dim, ptr(go1), ptr(glse), ptr(ge), int(into), ptr(gq),

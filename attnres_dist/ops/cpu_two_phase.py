@@ -25,7 +25,7 @@ from attnres_dist.ops.depth_attention import one_pass_adapter
 __all__ = ["one_pass", "phase1", "phase2", "requirement"]
 
 
-def _param_grads(query: Tensor, norm_weight: Tensor, need_q: bool, need_g: bool):
+def param_grads(query: Tensor, norm_weight: Tensor, need_q: bool, need_g: bool):
     """Buffers the kernels write dL/d query and dL/d gain into (float32), or None."""
     gq = torch.empty(query.shape) if need_q else None
     gg = torch.empty(norm_weight.shape) if need_g else None
@@ -42,7 +42,7 @@ def _merge_grads(grads, inputs) -> tuple:
     return (*out, None, None)
 
 
-def _extra_grad(ctx, e: Tensor, needed: bool) -> tuple[Tensor | None, bool]:
+def extra_grad(ctx, e: Tensor, needed: bool) -> tuple[Tensor | None, bool]:
     """(where a merge backward writes the extras' gradient, whether it adds to ``grad_into``)."""
     if not needed:
         return None, False
@@ -85,7 +85,7 @@ class _Phase1(torch.autograd.Function):
         need_b, need_q, need_g = ctx.needs_input_grad[:3]
         into = ctx.grad_into() if need_b and ctx.grad_into is not None else None
         gb = into if into is not None else torch.empty_like(b) if need_b else None
-        gq, gg = _param_grads(queries, norm_weights, need_q, need_g)
+        gq, gg = param_grads(queries, norm_weights, need_q, need_g)
         call(
             "phase1_bwd", ptr(b), ptr(q), ptr(g), ptr(lse), ptr(logits), ptr(rstd),
             ptr(go), ptr(gl), n, tokens, dim, s, ptr(gb), int(into is not None), ptr(gq),
@@ -133,8 +133,8 @@ class _Merge1(torch.autograd.Function):
         need = ctx.needs_input_grad
         go1 = torch.empty_like(o1) if need[0] else None
         glse = o1.new_empty(out1.shape[:-1])
-        ge, into = _extra_grad(ctx, e, need[2])
-        gq, gg = _param_grads(query, norm_weight, need[3], need[4])
+        ge, into = extra_grad(ctx, e, need[2])
+        gq, gg = param_grads(query, norm_weight, need[3], need[4])
         call(
             "merge1_bwd", ptr(o1), ptr(e), ptr(q), ptr(g), ptr(stats), ptr(go), tokens,
             dim, ptr(go1), ptr(glse), ptr(ge), int(into), ptr(gq), ptr(gg),
@@ -177,8 +177,8 @@ class _Merge(torch.autograd.Function):
         need = ctx.needs_input_grad
         go1 = torch.empty_like(o1) if need[0] else None
         glse = o1.new_empty(lse.shape)
-        ge, into = _extra_grad(ctx, e, need[2])
-        gq, gg = _param_grads(query, norm_weight, need[3], need[4])
+        ge, into = extra_grad(ctx, e, need[2])
+        gq, gg = param_grads(query, norm_weight, need[3], need[4])
         call(
             "merge_bwd", ptr(o1), ptr(l1), ptr(e), ptr(q), ptr(g), ptr(stats), ptr(go), m,
             tokens, dim, ptr(go1), ptr(glse), ptr(ge), int(into), ptr(gq), ptr(gg),

@@ -13,7 +13,7 @@ int merge_norm_fwd(const float *o1, const float *lse, const float *e, const floa
                    float norm_eps, float *y, float *stats, int threads) {
     float *u = products(q, g, 1, 1, D);
     if (!u) return -1;
-    const int64_t rn_row = (m == 1 ? 3 : 2 * (int64_t)m + 1) * T;
+    const int64_t rn_row = merge_stat_rows(m) * T;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < T; ++t) {
         float h[D];
@@ -36,7 +36,7 @@ int merge_norm_bwd(const float *o1, const float *lse, const float *e, const floa
     BackwardWork work;
     float *gw_part = calloc((size_t)threads * D, sizeof(float));
     const int ok = work_alloc(&work, q, g, 1, 1, D, threads) && gw_part;
-    const int64_t rn_row = (m == 1 ? 3 : 2 * (int64_t)m + 1) * T;
+    const int64_t rn_row = merge_stat_rows(m) * T;
     if (ok) {
 #pragma omp parallel num_threads(threads)
         {

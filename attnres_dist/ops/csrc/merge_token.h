@@ -7,21 +7,24 @@
 
 #include "vector_math.h"
 
+/* Rows of [rows, T] statistics a merge of m extras saves: a, le, r (m == 1), or le_k, r_k and
+ * the total (m > 1). */
+static inline int64_t merge_stat_rows(int m) { return m == 1 ? 3 : 2 * (int64_t)m + 1; }
+
+/* y = lerp(o1, e, a): the two-way merge's row for weight a. */
+INLINE void merge1_token_mix(const float *ot, const float *et, float a, int D, float *y) {
+#pragma omp simd
+    for (int d = 0; d < D; ++d) y[d] = ot[d] + a * (et[d] - ot[d]);
+}
+
 /* y = lerp(o1, e, a), a = sigmoid(le - lse), le = r <e, u>; a, le, r to stats[0, T, 2 T]. */
 INLINE void merge1_token_forward(const float *ot, float lse, const float *et, const float *u,
                                  int D, float eps, float *y, float *stats, int64_t T) {
     float r, le;
     token_logits(et, 0, 1, D, u, eps, &r, &le);
     const float a = 1.0f / (1.0f + expf(lse - le));
-#pragma omp simd
-    for (int d = 0; d < D; ++d) y[d] = ot[d] + a * (et[d] - ot[d]);
+    merge1_token_mix(ot, et, a, D, y);
     stats[0] = a, stats[T] = le, stats[2 * T] = r;
-}
-
-/* The merged row again, from the weight a the forward saved. */
-INLINE void merge1_token_mix(const float *ot, const float *et, float a, int D, float *y) {
-#pragma omp simd
-    for (int d = 0; d < D; ++d) y[d] = ot[d] + a * (et[d] - ot[d]);
 }
 
 /* g: the output's gradient. d a = <g, e - o1>, d le = a (1 - a) d a; d o1 = g (1 - a),

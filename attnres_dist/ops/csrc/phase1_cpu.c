@@ -236,27 +236,21 @@ INLINE void phase1_token_backward(const float *bt, int64_t rs, int n, int D, int
             const vf none = {0};
             const int h = d + VW;
             const vf g0 = vload(g[l0] + d), g1 = vload(g[l0 + 1] + d);
+            const vf g2 = vload(g[l0 + 2] + d), g3 = vload(g[l0 + 3] + d);
             const vf G0 = vload(g[l0] + h), G1 = vload(g[l0 + 1] + h);
-            const vf g2 = QW > 2 ? vload(g[l0 + 2] + d) : none;
-            const vf g3 = QW > 2 ? vload(g[l0 + 3] + d) : none;
-            const vf G2 = QW > 2 ? vload(g[l0 + 2] + h) : none;
-            const vf G3 = QW > 2 ? vload(g[l0 + 3] + h) : none;
+            const vf G2 = vload(g[l0 + 2] + h), G3 = vload(g[l0 + 3] + h);
             const vf w0 = vload(u0 + d), w1 = vload(u0 + D + d);
+            const vf w2 = vload(u0 + 2 * D + d), w3 = vload(u0 + 3 * D + d);
             const vf W0 = vload(u0 + h), W1 = vload(u0 + D + h);
-            const vf w2 = QW > 2 ? vload(u0 + 2 * D + d) : none;
-            const vf w3 = QW > 2 ? vload(u0 + 3 * D + d) : none;
-            const vf W2 = QW > 2 ? vload(u0 + 2 * D + h) : none;
-            const vf W3 = QW > 2 ? vload(u0 + 3 * D + h) : none;
+            const vf W2 = vload(u0 + 2 * D + h), W3 = vload(u0 + 3 * D + h);
             vf e0 = {0}, e1 = {0}, e2 = {0}, e3 = {0}, E0 = {0}, E1 = {0}, E2 = {0}, E3 = {0};
             for (int j = 0; j < n; ++j) {
                 const vf xv = vload(xb + j * xs + d), xh = vload(xb + j * xs + h);
                 const float *pj = p + j * SQ + l0, *aj = dl + j * SQ + l0;
                 e0 += aj[0] * xv, E0 += aj[0] * xh;
                 e1 += aj[1] * xv, E1 += aj[1] * xh;
-                if (QW > 2) {
-                    e2 += aj[2] * xv, E2 += aj[2] * xh;
-                    e3 += aj[3] * xv, E3 += aj[3] * xh;
-                }
+                e2 += aj[2] * xv, E2 += aj[2] * xh;
+                e3 += aj[3] * xv, E3 += aj[3] * xh;
                 if (!gb) continue;
                 float *y = gb + j * rs + d, *yh = y + VW;
                 const float cj = first ? coef[j] : 0.f;
@@ -265,20 +259,16 @@ INLINE void phase1_token_backward(const float *bt, int64_t rs, int n, int D, int
                 vf ach = (add ? vload(yh) : none) + cj * xh;
                 acc += pj[0] * g0 + aj[0] * w0, ach += pj[0] * G0 + aj[0] * W0;
                 acc += pj[1] * g1 + aj[1] * w1, ach += pj[1] * G1 + aj[1] * W1;
-                if (QW > 2) {
-                    acc += pj[2] * g2 + aj[2] * w2, ach += pj[2] * G2 + aj[2] * W2;
-                    acc += pj[3] * g3 + aj[3] * w3, ach += pj[3] * G3 + aj[3] * W3;
-                }
+                acc += pj[2] * g2 + aj[2] * w2, ach += pj[2] * G2 + aj[2] * W2;
+                acc += pj[3] * g3 + aj[3] * w3, ach += pj[3] * G3 + aj[3] * W3;
                 vstore(y, acc), vstore(yh, ach);
             }
             float *z = du0 + d;
             vstore(z, vload(z) + e0), vstore(z + VW, vload(z + VW) + E0);
             vstore(z + D, vload(z + D) + e1), vstore(z + D + VW, vload(z + D + VW) + E1);
-            if (QW > 2) {
-                z += 2 * D;
-                vstore(z, vload(z) + e2), vstore(z + VW, vload(z + VW) + E2);
-                vstore(z + D, vload(z + D) + e3), vstore(z + D + VW, vload(z + D + VW) + E3);
-            }
+            z += 2 * D;
+            vstore(z, vload(z) + e2), vstore(z + VW, vload(z + VW) + E2);
+            vstore(z + D, vload(z + D) + e3), vstore(z + D + VW, vload(z + D + VW) + E3);
         }
         for (; d + VW <= D; d += VW) {
             const vf none = {0};
