@@ -23,6 +23,7 @@ OK = {
     "apex_norm": probes.Probe(True, "apex FusedRMSNorm"),
     "apex_adam": probes.Probe(True, "apex FusedAdam"),
     "cpu_kernels": probes.Probe(True, "the project's fused C RMSNorm"),
+    "glibc_malloc": probes.Probe(True, "glibc 2.36"),
 }
 MISSING = {
     "cuda": probes.Probe(False, "no CUDA device visible"),
@@ -33,6 +34,7 @@ MISSING = {
     "apex_norm": probes.Probe(False, "apex FusedRMSNorm not importable (No module named 'apex')"),
     "apex_adam": probes.Probe(False, "apex FusedAdam not importable (No module named 'apex')"),
     "cpu_kernels": probes.Probe(False, "the C kernels cannot be built here (no C compiler)"),
+    "glibc_malloc": probes.Probe(False, "the C library is not glibc (no gnu_get_libc_version)"),
 }
 
 
@@ -75,8 +77,9 @@ def test_cpu_machine_takes_the_local_spec_and_torch_ops_without_probing_gpu_libr
     called = machine(cuda=False)
     choice = select_runtime(RuntimeConfig())
     assert values(choice) == ("cpu", "local", "torch", "torch", "fp32")
-    # no Transformer Engine or apex import attempted without a GPU; the C kernels are asked
-    assert called == ["cuda", "cpu_kernels"]
+    # no Transformer Engine or apex import attempted without a GPU; the C kernels and the C
+    # library (for the allocator policy) are asked
+    assert called == ["cuda", "cpu_kernels", "glibc_malloc"]
     assert choice.norm.reason == "the C kernels cannot be built here (no C compiler)"
     line = choice.describe()
     assert "\n" not in line and line.startswith("runtime: ")

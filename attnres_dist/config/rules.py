@@ -190,6 +190,7 @@ def _validate_runtime(r: RuntimeConfig) -> None:
         ("fused_optimizer", ("auto", "on", "off")),
         ("dtype", ("auto", "fp32", "bf16")),
         ("core_attention", ("auto", "sdpa", "megatron")),
+        ("cpu_allocator", ("auto", "retain", "system")),
     ):
         value = getattr(r, name)
         _require(

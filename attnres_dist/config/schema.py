@@ -121,6 +121,9 @@ class RuntimeConfig:
     dtype: str = "auto"
     # auto | sdpa | megatron: the local spec's core attention (torch SDPA or Megatron's own)
     core_attention: str = "auto"
+    # auto | retain | system: whether freed host memory stays in the process for reuse
+    # (attnres_dist.runtime.allocator; auto: retain on a CPU run where the C library is glibc)
+    cpu_allocator: str = "auto"
 
     def __post_init__(self):
         for name in ("fused_norm", "fused_optimizer"):

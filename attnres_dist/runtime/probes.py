@@ -84,3 +84,11 @@ def cpu_kernels() -> Probe:
     if why_not is not None:
         return Probe(False, f"the C kernels cannot be built here ({why_not})")
     return Probe(True, "the project's fused C RMSNorm")
+
+
+def glibc_malloc() -> Probe:
+    """glibc's ``malloc`` and its ``mallopt``, which ``runtime.cpu_allocator=retain`` sets."""
+    from attnres_dist.runtime.allocator import glibc
+
+    libc, detail = glibc()
+    return Probe(libc is not None, detail)

@@ -16,8 +16,13 @@ weights in its optimizer). ``auto`` takes it on a GPU that supports bf16; it als
 
 The depth-attention implementation (``model.attnres.impl``) is resolved here too: ``auto``
 takes the ``triton`` kernel on a CUDA device when its requirement is met, else the torch
-two-phase ops (``twophase``), which are also the CPU choice: measured side by side on the
-project's CPUs they beat the lean one-pass op at every op shape run there (``make bench``).
+two-phase ops (``twophase``); on a CPU it takes the project's fused C kernels (``cpu_fused``)
+where they build, else ``twophase``: measured side by side on the project's CPUs both beat the
+lean one-pass op at every op shape run there (``make bench``).
+
+So is the host allocator's policy (``runtime.cpu_allocator``): ``auto`` on a CPU run with
+glibc keeps freed memory in the process (``attnres_dist.runtime.allocator``), which this
+selection applies, since it holds for the whole process from then on.
 
 Every choice carries the reason it was made; ``RuntimeChoice.describe()`` is the one line the
 trainer prints at start-up.
@@ -31,7 +36,7 @@ import torch
 
 from attnres_dist.errors import ConfigError
 from attnres_dist.ops import runnable_depth_attention_impls
-from attnres_dist.runtime import probes
+from attnres_dist.runtime import allocator, probes
 
 IMPL_FIELD = "model.attnres.impl"
 
@@ -53,6 +58,8 @@ class RuntimeChoice:
     core_attention: Choice = Choice("megatron", "reference path")
     # a registered implementation name; None: the builder resolves the model config's impl
     depth_attention: Choice | None = None
+    # retain | system: the host allocator's policy for freed memory (runtime/allocator.py)
+    cpu_allocator: Choice | None = None
 
     @classmethod
     def reference(cls) -> RuntimeChoice:
@@ -189,7 +196,33 @@ def select_runtime(runtime, depth_attention: str = "auto") -> RuntimeChoice:
         dtype = Choice("bf16", f"{dtype.reason}; DeepSpeed bf16 engine, fp32 master weights")
     core_attention = _core_attention(runtime.core_attention, layer_spec)
     impl = select_depth_attention(depth_attention, device.value)
-    return RuntimeChoice(device, layer_spec, norm, optimizer, dtype, core_attention, impl)
+    cpu_allocator = _cpu_allocator(p, runtime.cpu_allocator)
+    return RuntimeChoice(
+        device, layer_spec, norm, optimizer, dtype, core_attention, impl, cpu_allocator
+    )
+
+
+def _cpu_allocator(p: _Probes, requested: str) -> Choice:
+    """``retain`` (applied here, to the whole process) on a CPU run with glibc, or when asked
+    for; else the C library's own policy (``system``). On a GPU the activations live in the
+    CUDA caching allocator, so ``auto`` leaves the host's alone."""
+    if requested == "system":
+        return Choice("system", "set in config")
+    if requested == "auto" and p.get("cuda").ok:
+        return Choice("system", "GPU: activations live in the CUDA caching allocator")
+    libc = p.get("glibc_malloc")
+    if not libc.ok:
+        if requested == "auto":
+            return Choice("system", libc.detail)
+        raise ConfigError(
+            "runtime.cpu_allocator",
+            f"'retain' needs glibc's mallopt but {libc.detail}; use auto or system",
+        )
+    allocator.retain_freed_memory()
+    why = "freed memory kept for reuse, no mmap, no trim"
+    return Choice(
+        "retain", f"{libc.detail}: {why}" if requested == "auto" else f"set in config; {why}"
+    )
 
 
 def _norm(p: _Probes, requested: str) -> Choice:

@@ -1,0 +1,103 @@
+"""The host allocator's policy (``runtime.cpu_allocator``, attnres_dist.runtime.allocator).
+
+What it must show, measured in fresh interpreters (the policy holds for a whole process): under
+``retain`` a tensor allocated, freed and allocated again touches no new page, where glibc's own
+policy maps a large one afresh and faults on every page; and the selection takes ``retain`` on
+a CPU run with glibc, leaves the host's allocator alone on a GPU, and refuses ``retain`` where
+the C library is not glibc.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from attnres_dist.config import RuntimeConfig, config_from_dict
+from attnres_dist.errors import ConfigError
+from attnres_dist.runtime import Choice, probes, select_runtime
+from attnres_dist.runtime.allocator import glibc
+
+pytestmark = pytest.mark.skipif(glibc()[0] is None, reason=glibc()[1])
+
+MIB = 64  # above glibc's largest mmap threshold (32 MiB): mapped afresh by default
+# one step's worth of tensors: a large one, freed, then the same size again (first touch)
+PROGRAM = f"""
+import json, resource, sys, torch
+from attnres_dist.config import RuntimeConfig
+from attnres_dist.runtime import select_runtime
+choice = select_runtime(RuntimeConfig(cpu_allocator=sys.argv[1]))
+numel = {MIB} * 2**20 // 4
+torch.ones(numel); torch.ones(numel)  # allocated, touched and freed twice
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+torch.ones(numel)
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(json.dumps({{"faults": faults, "choice": choice.cpu_allocator.value,
+                  "reason": choice.cpu_allocator.reason}}))
+"""
+
+
+def _run(policy: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", PROGRAM, policy], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_retain_reuses_freed_memory_where_the_system_policy_faults_every_page():
+    pages = MIB * 2**20 // 4096
+    system, retain = _run("system"), _run("auto")
+    assert system["choice"] == "system" and system["reason"] == "set in config"
+    assert retain["choice"] == "retain" and retain["reason"].startswith("glibc ")
+    # the control: glibc's own policy maps the tensor afresh, one fault per page
+    assert system["faults"] > 0.9 * pages, system
+    assert retain["faults"] < 0.02 * pages, retain
+
+
+def _simulate(monkeypatch, **available: probes.Probe) -> list[str]:
+    called: list[str] = []
+    for name, result in available.items():
+
+        def probe(name=name, result=result):
+            called.append(name)
+            return result
+
+        monkeypatch.setattr(probes, name, probe)
+    return called
+
+
+GPU = probes.Probe(True, "NVIDIA H100 80GB HBM3")
+NO_GPU = probes.Probe(False, "no CUDA device visible")
+MUSL = probes.Probe(False, "the C library is not glibc (no gnu_get_libc_version)")
+
+
+def test_auto_leaves_the_host_allocator_alone_on_a_gpu(monkeypatch):
+    called = _simulate(monkeypatch, cuda=GPU, glibc_malloc=MUSL)
+    choice = select_runtime(RuntimeConfig(layer_spec="local", fused_norm="off"))
+    assert choice.cpu_allocator == Choice(
+        "system", "GPU: activations live in the CUDA caching allocator"
+    )
+    assert "glibc_malloc" not in called
+    assert "cpu_allocator=system (GPU: " in choice.describe()
+
+
+def test_without_glibc_auto_keeps_the_system_policy_and_retain_is_refused(monkeypatch):
+    _simulate(monkeypatch, cuda=NO_GPU, glibc_malloc=MUSL)
+    assert select_runtime(RuntimeConfig()).cpu_allocator == Choice("system", MUSL.detail)
+    with pytest.raises(ConfigError) as info:
+        select_runtime(RuntimeConfig(cpu_allocator="retain"))
+    message = str(info.value)
+    assert info.value.where == "runtime.cpu_allocator"
+    assert message.startswith("runtime.cpu_allocator: 'retain' needs glibc's mallopt but ")
+    assert "use auto or system" in message and "\n" not in message
+
+
+def test_an_unknown_policy_is_refused_when_the_config_loads():
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"runtime": {"cpu_allocator": "jemalloc"}})
+    assert str(info.value) == (
+        "runtime.cpu_allocator: got 'jemalloc'; allowed: auto, retain, system"
+    )
