@@ -119,6 +119,49 @@ def test_phase1_matches_naive_definition(impl, n, s, dim):
         assert rel_err(a, e) <= tol
 
 
+SPLIT = [name for name in TWO_PHASE if get_depth_attention(name).phase1_split is not None]
+
+
+@pytest.mark.parametrize("impl", SPLIT)
+@pytest.mark.parametrize("n, s, dim", [(1, 1, 16), (3, 2, 13), (9, 4, 16), (5, 8, 72)])
+@pytest.mark.parametrize("used", ["all", "some"])
+def test_phase1_split_matches_naive_definition(impl, n, s, dim, used):
+    """Per-query parameters in, per-query outputs out; "some": the loss reads the first
+    query's output and the last one's log-sum-exp only, so the others get no gradient."""
+    op = get_depth_attention(impl)
+    gen = torch.Generator().manual_seed(n * 10 + s)
+    blocks = torch.randn(n, 5, 2, dim, generator=gen).requires_grad_()
+    queries = [(0.3 * torch.randn(dim, generator=gen)).requires_grad_() for _ in range(s)]
+    gains = [(1 + 0.3 * torch.randn(dim, generator=gen)).requires_grad_() for _ in range(s)]
+    g_out, g_lse = torch.randn(s, 5, 2, dim, generator=gen), torch.randn(s, 5, 2, generator=gen)
+    if used == "some":
+        g_out[1:] = 0
+        g_lse[:-1] = 0
+    out1, lse = op.phase1_split(blocks, queries, gains)
+    assert len(out1) == len(lse) == s
+    assert all(o.shape == (5, 2, dim) and x.shape == (5, 2) for o, x in zip(out1, lse, strict=True))
+    if used == "all":
+        loss = sum((o * g).sum() for o, g in zip(out1, g_out, strict=True))
+        loss = loss + sum((x * g).sum() for x, g in zip(lse, g_lse, strict=True))
+    else:
+        loss = (out1[0] * g_out[0]).sum() + (lse[-1] * g_lse[-1]).sum()
+    leaves = [blocks, *queries, *gains]
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+
+    b = blocks.detach().double().requires_grad_()
+    q = [t.detach().double().requires_grad_() for t in queries]
+    g = [t.detach().double().requires_grad_() for t in gains]
+    ref = [naive_mix(list(b), q[i], g[i]) for i in range(s)]
+    loss = sum((r[0] * go.double()).sum() + (r[1] * gl.double()).sum()
+               for r, go, gl in zip(ref, g_out, g_lse, strict=True))  # fmt: skip
+    ref_grads = torch.autograd.grad(loss, [b, *q, *g])
+    for a, e in zip([*out1, *lse], [*(r[0] for r in ref), *(r[1] for r in ref)], strict=True):
+        assert rel_err(a, e) <= 2e-6
+    for a, e in zip(grads, ref_grads, strict=True):
+        a = torch.zeros_like(e) if a is None else a  # an unused query's: zero
+        assert rel_err(a, e) <= 2e-6 if e.abs().max() > 0 else a.abs().max() == 0
+
+
 @pytest.mark.parametrize("impl", TWO_PHASE)
 @pytest.mark.parametrize("n, m", [(1, 1), (3, 1), (2, 2), (4, 3), (5, 4), (3, 5), (9, 7)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

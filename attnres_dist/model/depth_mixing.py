@@ -120,8 +120,6 @@ class Segment:
         if cache is not None and cache.first == self.first:
             return state
         op, eps = self.mixers[0]._op, self.mixers[0].eps
-        queries = _StackParameters.apply(*(m.query for m in self.mixers))
-        gains = _StackParameters.apply(*(m.key_norm_weight for m in self.mixers))
         # phase 1 reads the blocks completed when the block (or Full group) began, wherever
         # the segment starts: a stage or recompute cut then changes no arithmetic
         store = state.store
@@ -130,11 +128,18 @@ class Segment:
         into = {"grad_into": buffer.grad} if op.grad_into and _holds(state) else {}
         if store.shape[0] != self.rows:  # a cut inside a Full group (slicing has a cost)
             store = store[: self.rows]
-        out1, lse = op.phase1(store, queries, gains, eps=eps, **into)
-        # unbind once: one backward node stacks the S gradients, where S separate index
-        # ops would each fill a zero tensor of the whole [S, ...] and add it up
-        cache = Phase1Cache(self.first, self.rows, out1.unbind(0), lse.unbind(0))
-        return replace(state, phase1=cache)
+        if op.phase1_split is not None:  # the parameters and slices as they are
+            queries = [m.query for m in self.mixers]
+            gains = [m.key_norm_weight for m in self.mixers]
+            out1, lse = op.phase1_split(store, queries, gains, eps=eps, **into)
+        else:
+            queries = _StackParameters.apply(*(m.query for m in self.mixers))
+            gains = _StackParameters.apply(*(m.key_norm_weight for m in self.mixers))
+            out1, lse = op.phase1(store, queries, gains, eps=eps, **into)
+            # unbind once: one backward node stacks the S gradients, where S separate index
+            # ops would each fill a zero tensor of the whole [S, ...] and add it up
+            out1, lse = out1.unbind(0), lse.unbind(0)
+        return replace(state, phase1=Phase1Cache(self.first, self.rows, out1, lse))
 
 
 def merge_inputs(state: DepthState, sublayer: int, grad_into: bool = False):

@@ -12,7 +12,10 @@ when it can), so a config asking for it is refused with that reason. An implemen
 ``f()`` gives a float32 tensor of the blocks' (the extras') layout that the backward adds their
 gradient to, instead of returning it (the model's store buffer gathers its rows' gradient so,
 in one tensor). An implementation may also give ``merge_norm``: phase 2 and the RMSNorm the
-sublayer applies to its result, fused (same values as the two composed).
+sublayer applies to its result, fused (same values as the two composed), and ``phase1_split``:
+phase 1 over the S queries and gains as separate ``[D]`` tensors, returning S separate outputs
+and log-sum-exps (the same values as ``phase1``'s slices), so the model's sublayers hand over
+their parameters and take their slices with no ``[S, ...]`` stack in either direction.
 
 ``"lean"`` is the memory-lean one-pass autograd function, ``"reference"`` the plain-autograd
 ground truth, ``"twophase"`` the two-phase computation in torch ops
@@ -65,6 +68,9 @@ class DepthAttentionImpl:
     # phase 2 and the RMSNorm after it, fused:
     # merge_norm(out1, lse, extra, query, norm_weight, rms_weight, eps, norm_eps[, grad_into])
     merge_norm: Callable[..., Tensor] | None = None
+    # phase1_split(blocks, queries: [D] x S, norm_weights: [D] x S, eps[, grad_into])
+    #   -> (out1 x S, lse x S)
+    phase1_split: Callable[..., tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] | None = None
 
     @property
     def two_phase(self) -> bool:
@@ -142,5 +148,6 @@ register_depth_attention(
         requirement=cpu_two_phase.requirement,
         grad_into=True,
         merge_norm=merge_rms_norm,
+        phase1_split=cpu_two_phase.phase1_split,
     )
 )

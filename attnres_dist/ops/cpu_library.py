@@ -33,6 +33,7 @@ HEADERS = tuple(CSRC / f for f in ("vector_math.h", "merge_token.h", "norm_token
 FLAGS = ("-O2", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
 _F, _I, _L, _P = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {  # exported entry points; each returns 0, or -1 out of memory
+    # phase 1 takes each query's tensors through arrays of S pointers (``ptrs``)
     "phase1_fwd": (_P, _P, _P, _I, _L, _I, _I, _F, _P, _P, _P, _P, _I),
     "phase1_bwd": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _L, _I, _I, _P, _I, _P, _P, _I),
     "merge1_fwd": (_P, _P, _P, _P, _P, _L, _I, _F, _P, _P, _I),
@@ -123,6 +124,13 @@ def requirement() -> str | None:
 
 def ptr(t: Tensor | None):
     return None if t is None else t.data_ptr()
+
+
+def ptrs(tensors) -> ctypes.Array | None:
+    """An array of the tensors' data pointers (NULL for None), or None for no tensors."""
+    if tensors is None:
+        return None
+    return (_P * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
 
 
 def runs_here(*tensors: Tensor) -> bool:

@@ -12,17 +12,17 @@ fused. :func:`requirement` says why the kernels cannot run here (None when they 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from attnres_dist.ops import two_phase
-from attnres_dist.ops.cpu_library import call, cast, f32, ptr, requirement, runs_here
+from attnres_dist.ops.cpu_library import call, cast, f32, ptr, ptrs, requirement, runs_here
 from attnres_dist.ops.depth_attention import one_pass_adapter
 
-__all__ = ["one_pass", "phase1", "phase2", "requirement"]
+__all__ = ["one_pass", "phase1", "phase1_split", "phase2", "requirement"]
 
 
 def param_grads(query: Tensor, norm_weight: Tensor, need_q: bool, need_g: bool):
@@ -51,50 +51,71 @@ def extra_grad(ctx, e: Tensor, needed: bool) -> tuple[Tensor | None, bool]:
     return torch.empty_like(e), False
 
 
+def _param_grads(grads: list[Tensor] | None, params) -> tuple:
+    """Each parameter's gradient in its dtype (None for every one when not needed)."""
+    if grads is None:
+        return (None,) * len(params)
+    return tuple(cast(g, p.dtype) for g, p in zip(grads, params, strict=True))
+
+
 class _Phase1(torch.autograd.Function):
+    """Phase 1 over S queries given as separate tensors: ``apply(blocks, eps, grad_into, S,
+    *queries, *norm_weights)`` returns ``(*out1, *lse)``, S ``[..., D]`` outputs and S
+    ``[...]`` log-sum-exps. Each is a tensor of its own and gets its gradient as one, so
+    neither direction stacks or unbinds ``[S, ...]`` tensors around the kernel."""
+
     @staticmethod
-    def forward(ctx, blocks, queries, norm_weights, eps, grad_into):
-        n, dim, s = blocks.shape[0], blocks.shape[-1], queries.shape[0]
+    def forward(ctx, blocks, eps, grad_into, s, *params):
+        n, dim = blocks.shape[0], blocks.shape[-1]
         batch = blocks.shape[1:-1]
-        b, q, g = f32(blocks), f32(queries), f32(norm_weights)
+        b = f32(blocks)
+        qg = [f32(t) for t in params]
         tokens = b.numel() // (n * dim)
-        out1, lse = b.new_empty(s, *batch, dim), b.new_empty(s, *batch)
+        out1 = [b.new_empty(*batch, dim) for _ in range(s)]
+        lse = [b.new_empty(batch) for _ in range(s)]
         logits, rstd = b.new_empty(tokens, n, s), b.new_empty(tokens, n)
         call(
-            "phase1_fwd", ptr(b), ptr(q), ptr(g), n, tokens, dim, s, eps, ptr(out1),
-            ptr(lse), ptr(logits), ptr(rstd), torch.get_num_threads(),
+            "phase1_fwd", ptr(b), ptrs(qg[:s]), ptrs(qg[s:]), n, tokens, dim, s, eps,
+            ptrs(out1), ptrs(lse), ptr(logits), ptr(rstd), torch.get_num_threads(),
         )  # fmt: skip
         # logits and key statistics (S / D and 1 / D of the blocks' size): the backward then
         # reads each block row once, for its products with the output gradient
-        ctx.save_for_backward(blocks, queries, norm_weights, lse, logits, rstd)
+        ctx.save_for_backward(blocks, logits, rstd, *lse, *params)
+        ctx.s = s
         ctx.grad_into = grad_into if blocks.dtype == torch.float32 else None
         ctx.set_materialize_grads(False)
-        return out1, lse
+        return (*out1, *lse)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out1, grad_lse):
-        blocks, queries, norm_weights, lse, logits, rstd = ctx.saved_tensors
-        if grad_out1 is None and grad_lse is None:
-            return None, None, None, None, None
-        n, dim, s = blocks.shape[0], blocks.shape[-1], queries.shape[0]
-        b, q, g = f32(blocks), f32(queries), f32(norm_weights)
+    def backward(ctx, *grads):
+        s = ctx.s
+        blocks, logits, rstd, *rest = ctx.saved_tensors
+        lse, params = rest[:s], rest[s:]
+        none = (None,) * (4 + 2 * s)
+        if all(g is None for g in grads):
+            return none
+        n, dim = blocks.shape[0], blocks.shape[-1]
+        b = f32(blocks)
+        qg = [f32(t) for t in params]
         tokens = b.numel() // (n * dim)
-        go = None if grad_out1 is None else f32(grad_out1)
-        gl = None if grad_lse is None else f32(grad_lse)
-        need_b, need_q, need_g = ctx.needs_input_grad[:3]
+        go = [None if g is None else f32(g) for g in grads[:s]]
+        gl = [None if g is None else f32(g) for g in grads[s:]]
+        need = ctx.needs_input_grad
+        need_b, need_q, need_g = need[0], any(need[4 : 4 + s]), any(need[4 + s :])
         into = ctx.grad_into() if need_b and ctx.grad_into is not None else None
         gb = into if into is not None else torch.empty_like(b) if need_b else None
-        gq, gg = param_grads(queries, norm_weights, need_q, need_g)
+        gq = [torch.empty(dim) for _ in range(s)] if need_q else None
+        gg = [torch.empty(dim) for _ in range(s)] if need_g else None
         call(
-            "phase1_bwd", ptr(b), ptr(q), ptr(g), ptr(lse), ptr(logits), ptr(rstd),
-            ptr(go), ptr(gl), n, tokens, dim, s, ptr(gb), int(into is not None), ptr(gq),
-            ptr(gg), torch.get_num_threads(),
+            "phase1_bwd", ptr(b), ptrs(qg[:s]), ptrs(qg[s:]), ptrs(lse), ptr(logits),
+            ptr(rstd), ptrs(go), ptrs(gl), n, tokens, dim, s, ptr(gb), int(into is not None),
+            ptrs(gq), ptrs(gg), torch.get_num_threads(),
         )  # fmt: skip
         grad_b = None if gb is None or into is not None else cast(gb, blocks.dtype)
-        grad_q = None if gq is None else cast(gq, queries.dtype)
-        grad_g = None if gg is None else cast(gg, norm_weights.dtype)
-        return grad_b, grad_q, grad_g, None, None
+        grad_q = _param_grads(gq, params[:s])
+        grad_g = _param_grads(gg, params[s:])
+        return (grad_b, None, None, None, *grad_q, *grad_g)
 
 
 class _Merge1(torch.autograd.Function):
@@ -201,7 +222,33 @@ def phase1(
     two_phase.check_phase1(blocks, queries, norm_weights)
     if not runs_here(blocks, queries, norm_weights):
         return two_phase.phase1(blocks, queries, norm_weights, eps)
-    return _Phase1.apply(blocks, queries, norm_weights, eps, grad_into)
+    out1, lse = phase1_split(blocks, queries.unbind(0), norm_weights.unbind(0), eps, grad_into)
+    if len(out1) == 1:  # the final aggregation's: views, no copy
+        return out1[0].unsqueeze(0), lse[0].unsqueeze(0)
+    return torch.stack(out1), torch.stack(lse)
+
+
+def phase1_split(
+    blocks: Tensor,
+    queries: Sequence[Tensor],
+    norm_weights: Sequence[Tensor],
+    eps: float = 1e-6,
+    grad_into: Callable[[], Tensor] | None = None,
+) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """:func:`phase1` with the S queries and gains as separate ``[D]`` tensors (the sublayers'
+    parameters as they are) and S separate outputs ``(out1, lse)``: no ``[S, ...]`` stack of
+    either is formed, in forward or backward."""
+    s = len(queries)
+    if s == 0 or not runs_here(blocks, *queries, *norm_weights):
+        out1, lse = two_phase.phase1(blocks, torch.stack(queries), torch.stack(norm_weights), eps)
+        return out1.unbind(0), lse.unbind(0)
+    if s != len(norm_weights) or any(
+        t.shape != blocks.shape[-1:] for t in (*queries, *norm_weights)
+    ):
+        shapes = [tuple(t.shape) for t in (*queries, *norm_weights)]
+        raise ValueError(f"need S >= 1 queries and S gains of shape [D], got {shapes}")
+    outputs = _Phase1.apply(blocks, eps, grad_into, s, *queries, *norm_weights)
+    return outputs[:s], outputs[s:]
 
 
 def phase2(

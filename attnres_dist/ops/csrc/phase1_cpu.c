@@ -13,13 +13,16 @@
 /* Phase 1 takes its queries QW at a time: 4, or 2 when S <= 2 (the per-token functions are
  * inlined with QW a constant, so its loops unroll into registers). u has PAD4(S) rows, zero
  * after S; per-token arrays are [n, SQ] (j-major, SQ = S rounded up to a multiple of QW),
- * padded to a multiple of VW. */
+ * padded to a multiple of VW. Each query's tensors (its query and gain [D], its output and
+ * output gradient [T, D], its lse and lse gradient [T]) are separate, reached through arrays
+ * of S pointers: a sublayer's slice is a tensor of its own, so no [S, ...] stack is formed
+ * around the kernels (a NULL gradient pointer is a zero gradient). */
 #define PAD4(s) (((s) + 3) & ~3)
 #define PADV(x) (((x) + VW - 1) & ~(VW - 1))
 
 /* p[j, l] = softmax over j of p[j, l] (logits in, weights out; padding queries l >= S get 0);
- * lse[l * lss] = the log-sum-exp of query l < S. */
-INLINE void token_softmax(float *p, int n, int S, const int QW, float *lse, int64_t lss) {
+ * lses[l][t] = the log-sum-exp of query l < S. */
+INLINE void token_softmax(float *p, int n, int S, const int QW, float *const *lses, int64_t t) {
     const int SQ = (S + QW - 1) / QW * QW;
     float mx[SQ], inv[SQ];
     if (QW == 4) { /* four queries per vector */
@@ -54,7 +57,7 @@ INLINE void token_softmax(float *p, int n, int S, const int QW, float *lse, int6
             for (int l = 0; l < SQ; ++l) inv[l] += p[j * SQ + l];
     }
     for (int l = 0; l < SQ; ++l) {
-        if (l < S) lse[l * lss] = mx[l] + logf(inv[l]);
+        if (l < S) lses[l][t] = mx[l] + logf(inv[l]);
         inv[l] = l < S ? 1.0f / inv[l] : 0.f;
     }
     if (QW == 4) {
@@ -67,11 +70,12 @@ INLINE void token_softmax(float *p, int n, int S, const int QW, float *lse, int6
     }
 }
 
-/* One token of phase 1's forward: bt its first row (rows rs apart), out its first output row
- * (queries os apart), lse / lss likewise, logit [n, S] and r [n] its saved statistics. */
+/* One token t of phase 1's forward: bt its first row (rows rs apart), outs / lses the queries'
+ * outputs and log-sum-exps, logit [n, S] and r [n] its saved statistics. */
 INLINE void phase1_token_forward(const float *bt, int64_t rs, int n, int D, int S, const int QW,
-                                 const float *u, float eps, float *out, int64_t os, float *lse,
-                                 int64_t lss, float *logit, float *r, int prefetch, int tiled) {
+                                 const float *u, float eps, float *const *outs,
+                                 float *const *lses, int64_t t, float *logit, float *r,
+                                 int prefetch, int tiled) {
     const int SQ = (S + QW - 1) / QW * QW;
     float p[PADV(n * SQ)], sq[n], tile[tiled ? n * D : 1];
     const float *xb = tiled ? tile : bt; /* rows after the first pass, xs apart */
@@ -95,10 +99,12 @@ INLINE void phase1_token_forward(const float *bt, int64_t rs, int n, int D, int 
         for (int l = 0; l < SQ; ++l) pj[l] *= r[j];
         for (int l = 0; l < S; ++l) logit[j * S + l] = pj[l];
     }
-    token_softmax(p, n, S, QW, lse, lss);
+    token_softmax(p, n, S, QW, lses, t);
     /* out_l = sum_j p_jl b_j, QW queries at a time over D in vector chunks */
     for (int l0 = 0; l0 < S; l0 += QW) {
-        float *o0 = out + l0 * os;
+        float *o0 = outs[l0] + t * D, *o1 = l0 + 1 < S ? outs[l0 + 1] + t * D : 0;
+        float *o2 = QW > 2 && l0 + 2 < S ? outs[l0 + 2] + t * D : 0;
+        float *o3 = QW > 2 && l0 + 3 < S ? outs[l0 + 3] + t * D : 0;
         int d = 0;
         /* two vector chunks at a time: eight independent sums, each over j in order */
         for (; d + 2 * VW <= D; d += 2 * VW) {
@@ -118,10 +124,9 @@ INLINE void phase1_token_forward(const float *bt, int64_t rs, int n, int D, int 
                 }
             }
             vstore(o0 + d, c0), vstore(o0 + d + VW, h0);
-            float *o = o0 + os + d;
-            if (l0 + 1 < S) vstore(o, c1), vstore(o + VW, h1);
-            if (QW > 2 && l0 + 2 < S) vstore(o + os, c2), vstore(o + os + VW, h2);
-            if (QW > 2 && l0 + 3 < S) vstore(o + 2 * os, c3), vstore(o + 2 * os + VW, h3);
+            if (o1) vstore(o1 + d, c1), vstore(o1 + d + VW, h1);
+            if (o2) vstore(o2 + d, c2), vstore(o2 + d + VW, h2);
+            if (o3) vstore(o3 + d, c3), vstore(o3 + d + VW, h3);
         }
         for (; d + VW <= D; d += VW) {
             vf c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
@@ -136,28 +141,28 @@ INLINE void phase1_token_forward(const float *bt, int64_t rs, int n, int D, int 
                 }
             }
             vstore(o0 + d, c0);
-            if (l0 + 1 < S) vstore(o0 + os + d, c1);
-            if (QW > 2 && l0 + 2 < S) vstore(o0 + 2 * os + d, c2);
-            if (QW > 2 && l0 + 3 < S) vstore(o0 + 3 * os + d, c3);
+            if (o1) vstore(o1 + d, c1);
+            if (o2) vstore(o2 + d, c2);
+            if (o3) vstore(o3 + d, c3);
         }
         for (; d < D; ++d)
             for (int k = 0; k < QW && l0 + k < S; ++k) {
                 float c = 0.f;
                 for (int j = 0; j < n; ++j) c += p[j * SQ + l0 + k] * xb[j * xs + d];
-                o0[k * os + d] = c;
+                outs[l0 + k][t * D + d] = c;
             }
     }
 }
 
 /* Writes out1, lse and, for the backward, the key statistics r [T, n] and logits [T, n, S]. */
 static void phase1_forward(const float *b, const float *u, int n, int64_t T, int D, int S,
-                           float eps, float *out1, float *lse, float *logits, float *rstd,
-                           int threads) {
+                           float eps, float *const *outs, float *const *lses, float *logits,
+                           float *rstd, int threads) {
     const int64_t rs = T * D;
     const int tiled = (int64_t)n * D <= TILE_FLOATS;
 #define PHASE1_FORWARD_TOKEN(QW)                                                                \
-    phase1_token_forward(b + t * D, rs, n, D, S, QW, u, eps, out1 + t * D, rs, lse + t, T,        \
-                         logits + t * n * S, rstd + t * n, t + PREFETCH_AHEAD < T, tiled)
+    phase1_token_forward(b + t * D, rs, n, D, S, QW, u, eps, outs, lses, t, logits + t * n * S,    \
+                         rstd + t * n, t + PREFETCH_AHEAD < T, tiled)
     if (S <= 2) {
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t t = 0; t < T; ++t) PHASE1_FORWARD_TOKEN(2);
@@ -168,21 +173,26 @@ static void phase1_forward(const float *b, const float *u, int n, int64_t T, int
 #undef PHASE1_FORWARD_TOKEN
 }
 
-/* One token of phase 1's backward (see phase1_backward; G, glse, gb already at this token:
- * G's and lse's queries os / lss apart, gb's rows rs apart; du the thread's [PAD4(S), D]). */
+/* One token t of phase 1's backward (see phase1_backward; gb already at this token, its rows
+ * rs apart; lses, Gs, glses the queries' saved log-sum-exps and gradients; du the thread's
+ * [PAD4(S), D]). */
 INLINE void phase1_token_backward(const float *bt, int64_t rs, int n, int D, int S, const int QW,
-                                  const float *u, const float *lse, int64_t lss,
-                                  const float *logit, const float *r, const float *G, int64_t os,
-                                  const float *glse, float *gb, int accumulate, float *du,
+                                  const float *u, const float *const *lses, int64_t t,
+                                  const float *logit, const float *r, const float *const *Gs,
+                                  const float *const *glses, float *gb, int accumulate, float *du,
                                   const float *zero, int prefetch, int tiled) {
     const int SQ = (S + QW - 1) / QW * QW;
     float p[PADV(n * SQ)], dl[n * SQ], coef[n], gls[SQ], tile[tiled ? n * D : 1];
     const float *g[SQ];
     const float *xb = tiled ? tile : bt; /* rows after the first pass, xs apart */
     const int64_t xs = tiled ? D : rs;
-    for (int l = 0; l < SQ; ++l) g[l] = G && l < S ? G + l * os : zero;
+    int has_G = 0;
+    for (int l = 0; l < SQ; ++l) {
+        g[l] = l < S && Gs[l] ? Gs[l] + t * D : zero;
+        has_G |= g[l] != zero;
+    }
     for (int j = 0; j < n; ++j)
-        for (int l = 0; l < SQ; ++l) p[j * SQ + l] = l < S ? logit[j * S + l] - lse[l * lss] : -100.f;
+        for (int l = 0; l < SQ; ++l) p[j * SQ + l] = l < S ? logit[j * S + l] - lses[l][t] : -100.f;
     for (int i = n * SQ; i < PADV(n * SQ); ++i) p[i] = -100.f;
     exp_inplace(p, PADV(n * SQ));
     for (int j = 0; j < n; ++j) {
@@ -191,7 +201,7 @@ INLINE void phase1_token_backward(const float *bt, int64_t rs, int n, int D, int
             if (gb && accumulate) prefetch_row(gb + j * rs + PREFETCH_AHEAD * D, D);
         }
         for (int l0 = 0; l0 < SQ; l0 += QW) {
-            if (G)
+            if (has_G)
                 dotsq(bt + j * rs, g + l0, D, QW, dl + j * SQ + l0, 0,
                       tiled && !l0 ? tile + j * D : 0);
             else
@@ -199,7 +209,7 @@ INLINE void phase1_token_backward(const float *bt, int64_t rs, int n, int D, int
         }
     }
     /* dlogit = p (dp - sum_j p dp + dlse) (padding queries: p = 0) */
-    for (int l = 0; l < SQ; ++l) gls[l] = glse && l < S ? glse[l * lss] : 0.f;
+    for (int l = 0; l < SQ; ++l) gls[l] = l < S && glses[l] ? glses[l][t] : 0.f;
     if (QW == 4) { /* four queries per vector */
         for (int l0 = 0; l0 < SQ; l0 += 4) {
             vf4 c = {0};
@@ -327,22 +337,23 @@ INLINE void phase1_token_backward(const float *bt, int64_t rs, int n, int D, int
  * dlogit_lj = p_lj (<G_l, b_j> - sum_j' p_lj' <G_l, b_j'> + dlse_l), draw = r_j dlogit;
  * du_l = sum_{t, j} draw_lj b_j, accumulated per thread into du_part[thread] ([PAD4(S), D]).
  * accumulate: gb += d b (a gradient buffer other reads add into) instead of gb = d b. */
-static void phase1_backward(const float *b, const float *u, const float *lse, const float *logits,
-                            const float *rstd, const float *G, const float *glse, int n,
-                            int64_t T, int D, int S, float *gb, int accumulate, float *du_part,
-                            int threads) {
+static void phase1_backward(const float *b, const float *u, const float *const *lses,
+                            const float *logits, const float *rstd, const float *const *Gs,
+                            const float *const *glses, int n, int64_t T, int D, int S,
+                            float *gb, int accumulate, float *du_part, int threads) {
     const int64_t rs = T * D;
-    const int tiled = G && (int64_t)n * D <= TILE_FLOATS;
+    int any_G = 0;
+    for (int l = 0; l < S; ++l) any_G |= Gs[l] != 0;
+    const int tiled = any_G && (int64_t)n * D <= TILE_FLOATS;
 #pragma omp parallel num_threads(threads)
     {
         float *du = du_part + (int64_t)omp_get_thread_num() * PAD4(S) * D;
         float zero[D];
         memset(zero, 0, sizeof zero);
 #define PHASE1_BACKWARD_TOKEN(QW)                                                               \
-    phase1_token_backward(b + t * D, rs, n, D, S, QW, u, lse + t, T, logits + t * n * S,        \
-                          rstd + t * n, G ? G + t * D : 0, rs, glse ? glse + t : 0,             \
-                          gb ? gb + t * D : 0, accumulate, du, zero, t + PREFETCH_AHEAD < T,    \
-                          tiled)
+    phase1_token_backward(b + t * D, rs, n, D, S, QW, u, lses, t, logits + t * n * S,           \
+                          rstd + t * n, Gs, glses, gb ? gb + t * D : 0, accumulate, du, zero,   \
+                          t + PREFETCH_AHEAD < T, tiled)
         if (S <= 2) {
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; ++t) PHASE1_BACKWARD_TOKEN(2);
@@ -354,24 +365,43 @@ static void phase1_backward(const float *b, const float *u, const float *lse, co
     }
 }
 
-/* Returns 0, or -1 when the small work buffers cannot be allocated. */
-int phase1_fwd(const float *b, const float *q, const float *g, int n, int64_t T, int D, int S,
-               float eps, float *out1, float *lse, float *logits, float *rstd, int threads) {
-    float *u = products(q, g, S, PAD4(S), D);
-    if (!u) return -1;
-    phase1_forward(b, u, n, T, D, S, eps, out1, lse, logits, rstd, threads);
-    free(u);
-    return 0;
+/* The S rows [D] of qs as one [S, D] array (NULL when out of memory). */
+static float *gather_rows(const float *const *qs, int S, int D) {
+    float *x = malloc((size_t)S * D * sizeof(float));
+    for (int l = 0; x && l < S; ++l) memcpy(x + (int64_t)l * D, qs[l], (size_t)D * sizeof(float));
+    return x;
 }
 
-int phase1_bwd(const float *b, const float *q, const float *g, const float *lse,
-               const float *logits, const float *rstd, const float *G, const float *glse, int n,
-               int64_t T, int D, int S, float *gb, int accumulate, float *gq, float *gg,
-               int threads) {
-    BackwardWork w;
-    const int ok = work_alloc(&w, q, g, S, PAD4(S), D, threads);
+/* The entry points take each query's tensors through arrays of S pointers (see the top).
+ * Returns 0, or -1 when the small work buffers cannot be allocated. */
+int phase1_fwd(const float *b, const float *const *qs, const float *const *gs, int n, int64_t T,
+               int D, int S, float eps, float *const *outs, float *const *lses, float *logits,
+               float *rstd, int threads) {
+    float *q = gather_rows(qs, S, D), *g = gather_rows(gs, S, D);
+    float *u = q && g ? products(q, g, S, PAD4(S), D) : 0;
+    if (u) phase1_forward(b, u, n, T, D, S, eps, outs, lses, logits, rstd, threads);
+    free(q), free(g), free(u);
+    return u ? 0 : -1;
+}
+
+/* gqs / ggs: S pointers each, or NULL (not needed). */
+int phase1_bwd(const float *b, const float *const *qs, const float *const *gs,
+               const float *const *lses, const float *logits, const float *rstd,
+               const float *const *Gs, const float *const *glses, int n, int64_t T, int D, int S,
+               float *gb, int accumulate, float *const *gqs, float *const *ggs, int threads) {
+    BackwardWork w = {0, 0};
+    float *q = gather_rows(qs, S, D), *g = gather_rows(gs, S, D);
+    float *gq = gqs ? malloc((size_t)S * D * sizeof(float)) : 0;
+    float *gg = ggs ? malloc((size_t)S * D * sizeof(float)) : 0;
+    int ok = q && g && (gq || !gqs) && (gg || !ggs) && work_alloc(&w, q, g, S, PAD4(S), D, threads);
     if (ok)
-        phase1_backward(b, w.u, lse, logits, rstd, G, glse, n, T, D, S, gb, accumulate, w.du,
+        phase1_backward(b, w.u, lses, logits, rstd, Gs, glses, n, T, D, S, gb, accumulate, w.du,
                         threads);
-    return work_finish(&w, ok, threads, S, PAD4(S), D, q, g, gq, gg);
+    ok = work_finish(&w, ok, threads, S, PAD4(S), D, q, g, gq, gg) == 0;
+    for (int l = 0; ok && l < S; ++l) {
+        if (gqs) memcpy(gqs[l], gq + (int64_t)l * D, (size_t)D * sizeof(float));
+        if (ggs) memcpy(ggs[l], gg + (int64_t)l * D, (size_t)D * sizeof(float));
+    }
+    free(q), free(g), free(gq), free(gg);
+    return ok ? 0 : -1;
 }
