@@ -94,7 +94,10 @@ def test_equals_the_merge_and_the_norm_composed(m, dim):
         assert torch.equal(a, b), name
 
 
-def test_extra_gradient_is_added_into_the_given_buffer():
+@pytest.mark.parametrize("accumulate", [True, False], ids=["add", "write"])
+def test_extra_gradient_is_added_into_the_given_buffer(accumulate):
+    """add: the gradient lands on the buffer's values; write: the rows hold no value yet
+    (NaN here), and are written in full."""
     blocks, extra, query, key_gain, norm_weight, grad = _inputs(3, 32, 7)
     out1, lse = _phase1(blocks, query, key_gain)
     e = extra.clone().requires_grad_()
@@ -102,6 +105,7 @@ def test_extra_gradient_is_added_into_the_given_buffer():
         (merge_rms_norm(out1, lse, e, query, key_gain, norm_weight) * grad).sum(), e
     )[0]
     buffer = torch.full((2, 6, 3, 32), 0.5)
+    buffer[1] = 0.5 if accumulate else float("nan")
     y = merge_rms_norm(
         out1,
         lse,
@@ -109,10 +113,11 @@ def test_extra_gradient_is_added_into_the_given_buffer():
         query,
         key_gain,
         norm_weight,
-        grad_into=lambda: buffer[1:2],
+        grad_into=lambda: (buffer[1:2], accumulate),
     )
     (y * grad).sum().backward()
-    torch.testing.assert_close(buffer[1:2], plain + 0.5, rtol=0, atol=1e-6)
+    expected = plain + 0.5 if accumulate else plain
+    torch.testing.assert_close(buffer[1:2], expected, rtol=0, atol=1e-6)
     assert (buffer[0] == 0.5).all()
 
 

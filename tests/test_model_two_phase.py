@@ -142,3 +142,38 @@ def test_two_phase_saves_less_than_lean_for_backward():
         del logits
     for impl in FAST:
         assert counts[impl] <= 1.1 * counts["lean"], counts
+
+
+def test_store_buffer_gradient_rows_are_written_by_their_first_writer():
+    from attnres_dist.model.depth_state import StoreBuffer
+
+    buffer = StoreBuffer(torch.randn(4, 3))
+    rows, accumulate = buffer.grad_rows(1, 3)  # nothing written yet: the caller writes
+    assert not accumulate and rows.shape == (2, 3)
+    rows.fill_(2.0)
+    rows, accumulate = buffer.grad_rows(0, 2)  # row 1 holds a value: row 0 is zeroed, add
+    assert accumulate
+    assert rows.tolist() == [[0.0] * 3, [2.0] * 3]
+    rows += 1.0
+    assert buffer.grad(3)[:3].tolist() == [[1.0] * 3, [3.0] * 3, [2.0] * 3]
+    assert buffer.grad()[3].tolist() == [0.0] * 3  # zeroed when asked for
+
+
+@pytest.mark.skipif(cpu_kernel_requirement() is not None, reason="needs the C kernels")
+@pytest.mark.parametrize("mode, size", [("block", 2), ("full", 1)])
+def test_final_aggregation_writes_the_store_gradient_without_a_zero_fill(mode, size):
+    """The final aggregation's phase 1 covers every store row and is the first to write their
+    gradient: no fill of the buffer's size runs in backward, and the gradients still match."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = build("cpu_fused", mode, size, num_layers=3)
+    capacity = model.plan.final_num_sources
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fast = loss_and_grads(model)
+    fills = [
+        e.input_shapes[0]
+        for e in prof.events()
+        if e.name in ("aten::fill_", "aten::zero_") and e.input_shapes and e.input_shapes[0]
+    ]
+    assert not [s for s in fills if s[0] == capacity and len(s) == 4], fills
+    assert_same(fast, loss_and_grads(build("reference", mode, size, num_layers=3)))

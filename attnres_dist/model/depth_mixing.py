@@ -125,9 +125,14 @@ class Segment:
         store = state.store
         # the store's rows gather their gradient in its buffer where the kernel can add to it
         buffer = state.buffer
-        into = {"grad_into": buffer.grad} if op.grad_into and _holds(state) else {}
         if store.shape[0] != self.rows:  # a cut inside a Full group (slicing has a cost)
             store = store[: self.rows]
+        rows = store.shape[0]
+        into = (
+            {"grad_into": lambda: buffer.grad_rows(0, rows)}
+            if op.grad_into and _holds(state)
+            else {}
+        )
         if op.phase1_split is not None:  # the parameters and slices as they are
             queries = [m.query for m in self.mixers]
             gains = [m.key_norm_weight for m in self.mixers]
@@ -153,7 +158,8 @@ def merge_inputs(state: DepthState, sublayer: int, grad_into: bool = False):
         # read in place: their gradient goes to the buffer, so no slice backpropagates a
         # zero-filled gradient of the whole store
         rows, buffer = slice(cache.rows, state.num_completed), state.buffer
-        return cache.out1[k], cache.lse[k], state.store[rows], lambda: buffer.grad()[rows]
+        into = lambda: buffer.grad_rows(rows.start, rows.stop)  # noqa: E731
+        return cache.out1[k], cache.lse[k], state.store[rows], into
     extra = []
     closed = cache.closed
     received = later - len(closed)

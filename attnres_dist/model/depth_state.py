@@ -54,13 +54,20 @@ def _is_prefix_of(store: torch.Tensor, buffer: torch.Tensor) -> bool:
 
 
 class StoreBuffer:
-    """The rows a micro-batch's store grows into, and (lazily, in backward) their gradient."""
+    """The rows a micro-batch's store grows into, and (lazily, in backward) their gradient.
 
-    __slots__ = ("data", "_grad")
+    The gradient is allocated uninitialised; a row is written in full by its first writer when
+    that writer can (a kernel told ``accumulate=False`` by :meth:`grad_rows`), else zeroed and
+    added into. The first writer is usually the final aggregation's phase 1, which covers every
+    row: then no row is zero-filled (the 32 x 64 Full model's buffer is 33 MB).
+    """
+
+    __slots__ = ("data", "_grad", "_unset")
 
     def __init__(self, data: torch.Tensor):
         self.data = data
         self._grad: torch.Tensor | None = None
+        self._unset: list[bool] = []  # rows of _grad holding no value yet
 
     @property
     def capacity(self) -> int:
@@ -70,11 +77,39 @@ class StoreBuffer:
         """Whether ``store`` is this buffer's leading rows (an alias, not a copy)."""
         return _is_prefix_of(store, self.data)
 
-    def grad(self) -> torch.Tensor:
-        """The rows' gradient so far (zeros at the first call)."""
-        if self._grad is None:
-            self._grad = torch.zeros_like(self.data)
+    def grad(self, rows: int | None = None) -> torch.Tensor:
+        """The rows' gradient so far, its first ``rows`` rows (all: None) holding values (zeros
+        where nothing was added yet)."""
+        self._set(0, self.capacity if rows is None else rows)
         return self._grad
+
+    def grad_rows(self, lo: int, hi: int) -> tuple[torch.Tensor, bool]:
+        """(rows ``lo:hi`` of the gradient, accumulate). accumulate False: no value is in them
+        yet and the caller must write every element; True: add into them."""
+        if self._grad is None:
+            self._grad = torch.empty_like(self.data)
+            self._unset = [True] * self.capacity
+        if all(self._unset[lo:hi]):
+            self._unset[lo:hi] = [False] * (hi - lo)
+            return self._grad[lo:hi], False
+        self._set(lo, hi)
+        return self._grad[lo:hi], True
+
+    def _set(self, lo: int, hi: int) -> None:
+        """Zero the rows of ``lo:hi`` that hold no value yet, one fill per run of them."""
+        if self._grad is None:
+            self.grad_rows(0, 0)
+        i = lo
+        while i < hi:
+            if not self._unset[i]:
+                i += 1
+                continue
+            j = i
+            while j < hi and self._unset[j]:
+                j += 1
+            self._grad[i:j].zero_()
+            self._unset[i:j] = [False] * (j - i)
+            i = j
 
 
 class _Append(torch.autograd.Function):
@@ -93,9 +128,11 @@ class _Append(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        c, acc = ctx.rows, ctx.buffer.grad()
+        c = ctx.rows
         if grad is not None:  # readers that returned their gradient through autograd
-            acc[: c + 1] += grad
+            rows, accumulate = ctx.buffer.grad_rows(0, c + 1)
+            rows.add_(grad) if accumulate else rows.copy_(grad)
+        acc = ctx.buffer.grad(c + 1)
         # rows < c of an aliased store gather in the buffer until the append that wrote them
         return (acc[:c] if ctx.copied else None), acc[c], None
 

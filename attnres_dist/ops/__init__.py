@@ -9,13 +9,15 @@ completed blocks for several sublayers at once, and
 store by online softmax). ``requirement()`` says why an implementation cannot run here (None
 when it can), so a config asking for it is refused with that reason. An implementation with
 ``grad_into`` set also takes ``phase1(..., grad_into=f)`` and ``phase2(..., grad_into=f)``:
-``f()`` gives a float32 tensor of the blocks' (the extras') layout that the backward adds their
-gradient to, instead of returning it (the model's store buffer gathers its rows' gradient so,
-in one tensor). An implementation may also give ``merge_norm``: phase 2 and the RMSNorm the
-sublayer applies to its result, fused (same values as the two composed), and ``phase1_split``:
-phase 1 over the S queries and gains as separate ``[D]`` tensors, returning S separate outputs
-and log-sum-exps (the same values as ``phase1``'s slices), so the model's sublayers hand over
-their parameters and take their slices with no ``[S, ...]`` stack in either direction.
+``f()`` gives ``(rows, accumulate)``, a float32 tensor of the blocks' (the extras') layout that
+the backward adds their gradient to (``accumulate``) or, when they hold no value yet, writes in
+full, instead of returning it (the model's store buffer gathers its rows' gradient so, in one
+tensor, and the first writer of a row spares its zero fill). An implementation may also give
+``merge_norm``: phase 2 and the RMSNorm the sublayer applies to its result, fused (same values
+as the two composed), and ``phase1_split``: phase 1 over the S queries and gains as separate
+``[D]`` tensors, returning S separate outputs and log-sum-exps (the same values as
+``phase1``'s slices), so the model's sublayers hand over their parameters and take their slices
+with no ``[S, ...]`` stack in either direction.
 
 ``"lean"`` is the memory-lean one-pass autograd function, ``"reference"`` the plain-autograd
 ground truth, ``"twophase"`` the two-phase computation in torch ops

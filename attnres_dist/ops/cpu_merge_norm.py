@@ -58,12 +58,12 @@ class _MergeRMSNorm(torch.autograd.Function):
         need = ctx.needs_input_grad
         go1 = torch.empty_like(o1) if need[0] else None
         glse = o1.new_empty(out1.shape[:-1])
-        ge, into = extra_grad(ctx, e, need[2])
+        ge, into, accumulate = extra_grad(ctx, e, need[2])
         gq, gg = param_grads(query, key_gain, need[3], need[4])
         gw = torch.empty(norm_weight.shape) if need[5] else None
         call(
             "merge_norm_bwd", ptr(o1), ptr(l1), ptr(e), ptr(q), ptr(g), ptr(w), ptr(stats),
-            ptr(gy), m, tokens, dim, ptr(go1), ptr(glse), ptr(ge), int(into), ptr(gq),
+            ptr(gy), m, tokens, dim, ptr(go1), ptr(glse), ptr(ge), int(accumulate), ptr(gq),
             ptr(gg), ptr(gw), torch.get_num_threads(),
         )  # fmt: skip
         grad_e = None if into else ge

@@ -42,13 +42,15 @@ def _merge_grads(grads, inputs) -> tuple:
     return (*out, None, None)
 
 
-def extra_grad(ctx, e: Tensor, needed: bool) -> tuple[Tensor | None, bool]:
-    """(where a merge backward writes the extras' gradient, whether it adds to ``grad_into``)."""
+def extra_grad(ctx, e: Tensor, needed: bool) -> tuple[Tensor | None, bool, bool]:
+    """(where a merge backward writes the extras' gradient, whether that is ``grad_into``'s
+    rows, whether the kernel adds to them rather than writing them)."""
     if not needed:
-        return None, False
+        return None, False, False
     if ctx.grad_into is not None:
-        return ctx.grad_into(), True
-    return torch.empty_like(e), False
+        rows, accumulate = ctx.grad_into()
+        return rows, True, accumulate
+    return torch.empty_like(e), False, False
 
 
 def _param_grads(grads: list[Tensor] | None, params) -> tuple:
@@ -103,13 +105,13 @@ class _Phase1(torch.autograd.Function):
         gl = [None if g is None else f32(g) for g in grads[s:]]
         need = ctx.needs_input_grad
         need_b, need_q, need_g = need[0], any(need[4 : 4 + s]), any(need[4 + s :])
-        into = ctx.grad_into() if need_b and ctx.grad_into is not None else None
+        into, accumulate = ctx.grad_into() if need_b and ctx.grad_into is not None else (None, 0)
         gb = into if into is not None else torch.empty_like(b) if need_b else None
         gq = [torch.empty(dim) for _ in range(s)] if need_q else None
         gg = [torch.empty(dim) for _ in range(s)] if need_g else None
         call(
             "phase1_bwd", ptr(b), ptrs(qg[:s]), ptrs(qg[s:]), ptrs(lse), ptr(logits),
-            ptr(rstd), ptrs(go), ptrs(gl), n, tokens, dim, s, ptr(gb), int(into is not None),
+            ptr(rstd), ptrs(go), ptrs(gl), n, tokens, dim, s, ptr(gb), int(accumulate),
             ptrs(gq), ptrs(gg), torch.get_num_threads(),
         )  # fmt: skip
         grad_b = None if gb is None or into is not None else cast(gb, blocks.dtype)
@@ -154,11 +156,11 @@ class _Merge1(torch.autograd.Function):
         need = ctx.needs_input_grad
         go1 = torch.empty_like(o1) if need[0] else None
         glse = o1.new_empty(out1.shape[:-1])
-        ge, into = extra_grad(ctx, e, need[2])
+        ge, into, accumulate = extra_grad(ctx, e, need[2])
         gq, gg = param_grads(query, norm_weight, need[3], need[4])
         call(
             "merge1_bwd", ptr(o1), ptr(e), ptr(q), ptr(g), ptr(stats), ptr(go), tokens,
-            dim, ptr(go1), ptr(glse), ptr(ge), int(into), ptr(gq), ptr(gg),
+            dim, ptr(go1), ptr(glse), ptr(ge), int(accumulate), ptr(gq), ptr(gg),
             torch.get_num_threads(),
         )  # fmt: skip
         grads = (go1, glse if need[1] else None, None if into else ge, gq, gg)
@@ -198,11 +200,11 @@ class _Merge(torch.autograd.Function):
         need = ctx.needs_input_grad
         go1 = torch.empty_like(o1) if need[0] else None
         glse = o1.new_empty(lse.shape)
-        ge, into = extra_grad(ctx, e, need[2])
+        ge, into, accumulate = extra_grad(ctx, e, need[2])
         gq, gg = param_grads(query, norm_weight, need[3], need[4])
         call(
             "merge_bwd", ptr(o1), ptr(l1), ptr(e), ptr(q), ptr(g), ptr(stats), ptr(go), m,
-            tokens, dim, ptr(go1), ptr(glse), ptr(ge), int(into), ptr(gq), ptr(gg),
+            tokens, dim, ptr(go1), ptr(glse), ptr(ge), int(accumulate), ptr(gq), ptr(gg),
             torch.get_num_threads(),
         )  # fmt: skip
         grads = (go1, glse if need[1] else None, None if into else ge, gq, gg)
