@@ -42,8 +42,10 @@ def overrides(data: str, mode: str, run_dir: str, pp=1, dp=1, tp=1, **extra) -> 
         # step whose sign is the sign of summation-order noise: tensor-parallel reductions
         # reorder sums, and after 3 steps such elements differed by 2e-5 on some CPUs while
         # every loss agreed to 4e-7. A larger eps keeps the parameter check a check of the
-        # gradients the layouts compute, not of the sign of round-off near zero.
-        "optim.eps": 1e-6,
+        # gradients the layouts compute, not of the sign of round-off near zero. At 1e-6 the
+        # untied pp = 3 case still reached 1.3e-5 (losses 4.8e-7) once the CPU kernels' sums
+        # were folded from sixteen lanes instead of eight; at 1e-5 the same case reaches 1.3e-6.
+        "optim.eps": 1e-5,
         "optim.warmup_steps": 1,
         "optim.grad_clip": 0.5,
         "parallel.pp": pp,

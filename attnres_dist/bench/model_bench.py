@@ -3,7 +3,9 @@ Megatron-layer model costs over a plain-PyTorch GPT.
 
 Every number is a training step (forward + backward + AdamW) on one ``[batch, seq + 1]`` token
 window, timed with every variant of a group interleaved (the order rotates each repetition)
-and reported as the median; the machine is shared, so the ratios are the result. Each step is
+and reported as the median; the machine is shared, so the ratios are the result, each the
+median of the per-repetition ratios (``attnres_dist.bench.paired``; ``ratios_of_medians``
+beside them). Each step is
 timed twice: wall clock (``ratios``) and the process's CPU time (``ratios_cpu``: all its
 threads; less sensitive to waiting for a core on a loaded machine). One more step per variant
 counts its aten calls (``aten_calls``: every call, views included; ``aten_compute_calls``:
@@ -36,6 +38,7 @@ from pathlib import Path
 import torch
 
 from attnres_dist.bench.launch_job import REPO
+from attnres_dist.bench.paired import median_ratio, paired_ratio
 from attnres_dist.optim import fused_adamw_supported, param_groups
 
 CONFIG = REPO / "configs" / "tiny.yaml"
@@ -190,17 +193,20 @@ def step_group(
         },
         "ratios": _step_ratios(times),
         "ratios_cpu": _step_ratios(cpu),
+        "ratios_of_medians": _step_ratios(times, median_ratio),
     }
 
 
-def _step_ratios(times: dict[str, list[float]]) -> dict[str, float]:
-    med = {name: statistics.median(t) for name, t in times.items()}
+def _step_ratios(times: dict[str, list[float]], estimate=paired_ratio) -> dict[str, float]:
+    """AttnRes / baseline per path and new / old per mode (``estimate``: paired by default,
+    ``attnres_dist.bench.paired``)."""
     ratios = {}
     for path in ("old", "new"):
         for mode in ("block", "full"):
-            ratios[f"{mode}_over_baseline_{path}"] = med[f"{mode}_{path}"] / med[f"baseline_{path}"]
+            key = f"{mode}_over_baseline_{path}"
+            ratios[key] = estimate(times[f"{mode}_{path}"], times[f"baseline_{path}"])
     for mode in MODES:
-        ratios[f"{mode}_new_over_old"] = med[f"{mode}_new"] / med[f"{mode}_old"]
+        ratios[f"{mode}_new_over_old"] = estimate(times[f"{mode}_new"], times[f"{mode}_old"])
     return ratios
 
 
@@ -227,10 +233,14 @@ def throughput_group(
             n: {"model": c.describe, "tokens_per_s": rate[n], "step_s": _stats(times[n])}
             for n, c in cases.items()
         },
+        # tokens/s ratios: plain's step time over the variant's, paired per repetition
         "ratios": {
-            "attnres_new_over_plain": rate["attnres_new"] / rate["plain"],
-            "attnres_old_over_plain": rate["attnres_old"] / rate["plain"],
-            "baseline_new_over_plain": rate["baseline_new"] / rate["plain"],
+            f"{name}_over_plain": paired_ratio(times["plain"], times[name])
+            for name in ("attnres_new", "attnres_old", "baseline_new")
+        },
+        "ratios_of_medians": {
+            f"{name}_over_plain": rate[name] / rate["plain"]
+            for name in ("attnres_new", "attnres_old", "baseline_new")
         },
         "floor_attnres_over_plain": FLOOR_MEGATRON_OVER_PLAIN,
     }

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from attnres_dist.bench import launch_job as job
+from attnres_dist.bench.paired import median_ratio, paired_ratio
 
 VARIANTS = {  # name: (residual mode, payload, path)
     "block_packed": ("block", "packed", "new"),
@@ -59,13 +60,18 @@ def run(
     raw = job.bench_job(
         "attnres_dist.bench.pipeline_bench", out_dir, config, reps, warmup, [*args, *overrides]
     )
-    med = {name: v["step_s"]["median"] for name, v in raw["variants"].items()}
+    steps = {name: v["step_s"]["samples"] for name, v in raw["variants"].items()}
+    pairs = {  # ratio name: (numerator, denominator) variants
+        "step_time_packed_over_tuple": ("block_packed", "block_tuple"),
+        "step_time_block_over_baseline": ("block_packed", "baseline"),
+        "step_time_block_over_baseline_old": ("block_old", "baseline_old"),
+        "step_time_block_new_over_old": ("block_packed", "block_old"),
+    }
     result = raw | {
+        "ratios_of_medians": {k: median_ratio(steps[a], steps[b]) for k, (a, b) in pairs.items()},
         "ratios": {
-            "step_time_packed_over_tuple": med["block_packed"] / med["block_tuple"],
-            "step_time_block_over_baseline": med["block_packed"] / med["baseline"],
-            "step_time_block_over_baseline_old": med["block_old"] / med["baseline_old"],
-            "step_time_block_new_over_old": med["block_packed"] / med["block_old"],
+            # step times paired per repetition (attnres_dist.bench.paired)
+            **{k: paired_ratio(steps[a], steps[b]) for k, (a, b) in pairs.items()},
             **{
                 f"stage{stage}_peak_memory_block_new_over_old": new / old
                 for stage, (new, old) in enumerate(

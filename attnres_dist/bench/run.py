@@ -222,7 +222,10 @@ def summary_markdown(
         "",
         "Every timing is a median over interleaved repetitions (alternating order), measured "
         "side by side in one run; the machine is shared, so ratios matter more than absolute "
-        "times.",
+        "times. The step-time ratios of the model and pipeline benches are paired: the median "
+        "over repetitions of the two steps' ratio within one repetition "
+        "(`attnres_dist/bench/paired.py`); `ratios_of_medians` in their JSON has the ratio of "
+        "the medians beside it.",
         "",
         "| ratio | value | compares |",
         "|---|---|---|",
