@@ -86,19 +86,22 @@ class StoreBuffer:
     def grad_rows(self, lo: int, hi: int) -> tuple[torch.Tensor, bool]:
         """(rows ``lo:hi`` of the gradient, accumulate). accumulate False: no value is in them
         yet and the caller must write every element; True: add into them."""
-        if self._grad is None:
-            self._grad = torch.empty_like(self.data)
-            self._unset = [True] * self.capacity
+        self._allocate()
         if all(self._unset[lo:hi]):
             self._unset[lo:hi] = [False] * (hi - lo)
             return self._grad[lo:hi], False
         self._set(lo, hi)
         return self._grad[lo:hi], True
 
+    def _allocate(self) -> None:
+        """The gradient, uninitialised, every row unset (once)."""
+        if self._grad is None:
+            self._grad = torch.empty_like(self.data)
+            self._unset = [True] * self.capacity
+
     def _set(self, lo: int, hi: int) -> None:
         """Zero the rows of ``lo:hi`` that hold no value yet, one fill per run of them."""
-        if self._grad is None:
-            self.grad_rows(0, 0)
+        self._allocate()
         i = lo
         while i < hi:
             if not self._unset[i]:

@@ -53,7 +53,7 @@ def extra_grad(ctx, e: Tensor, needed: bool) -> tuple[Tensor | None, bool, bool]
     return torch.empty_like(e), False, False
 
 
-def _param_grads(grads: list[Tensor] | None, params) -> tuple:
+def _in_param_dtypes(grads: list[Tensor] | None, params) -> tuple:
     """Each parameter's gradient in its dtype (None for every one when not needed)."""
     if grads is None:
         return (None,) * len(params)
@@ -115,8 +115,8 @@ class _Phase1(torch.autograd.Function):
             ptrs(gq), ptrs(gg), torch.get_num_threads(),
         )  # fmt: skip
         grad_b = None if gb is None or into is not None else cast(gb, blocks.dtype)
-        grad_q = _param_grads(gq, params[:s])
-        grad_g = _param_grads(gg, params[s:])
+        grad_q = _in_param_dtypes(gq, params[:s])
+        grad_g = _in_param_dtypes(gg, params[s:])
         return (grad_b, None, None, None, *grad_q, *grad_g)
 
 
