@@ -125,21 +125,25 @@ SPLIT = [name for name in TWO_PHASE if get_depth_attention(name).phase1_split is
 @pytest.mark.parametrize("impl", SPLIT)
 @pytest.mark.parametrize("n, s, dim", [(1, 1, 16), (3, 2, 13), (9, 4, 16), (5, 8, 72)])
 @pytest.mark.parametrize("used", ["all", "some"])
-def test_phase1_split_matches_naive_definition(impl, n, s, dim, used):
+@pytest.mark.parametrize("tokens", [(5, 2), (37, 1)], ids=["10", "37"])
+def test_phase1_split_matches_naive_definition(impl, n, s, dim, used, tokens):
     """Per-query parameters in, per-query outputs out; "some": the loss reads the first
-    query's output and the last one's log-sum-exp only, so the others get no gradient."""
+    query's output and the last one's log-sum-exp only, so the others get no gradient.
+    37 tokens: more than one tile of the C kernels (8 or 16 tokens), the last one partial."""
     op = get_depth_attention(impl)
     gen = torch.Generator().manual_seed(n * 10 + s)
-    blocks = torch.randn(n, 5, 2, dim, generator=gen).requires_grad_()
+    blocks = torch.randn(n, *tokens, dim, generator=gen).requires_grad_()
     queries = [(0.3 * torch.randn(dim, generator=gen)).requires_grad_() for _ in range(s)]
     gains = [(1 + 0.3 * torch.randn(dim, generator=gen)).requires_grad_() for _ in range(s)]
-    g_out, g_lse = torch.randn(s, 5, 2, dim, generator=gen), torch.randn(s, 5, 2, generator=gen)
+    g_out = torch.randn(s, *tokens, dim, generator=gen)
+    g_lse = torch.randn(s, *tokens, generator=gen)
     if used == "some":
         g_out[1:] = 0
         g_lse[:-1] = 0
     out1, lse = op.phase1_split(blocks, queries, gains)
     assert len(out1) == len(lse) == s
-    assert all(o.shape == (5, 2, dim) and x.shape == (5, 2) for o, x in zip(out1, lse, strict=True))
+    shapes = [(o.shape, x.shape) for o, x in zip(out1, lse, strict=True)]
+    assert all(o == (*tokens, dim) and x == tokens for o, x in shapes)
     if used == "all":
         loss = sum((o * g).sum() for o, g in zip(out1, g_out, strict=True))
         loss = loss + sum((x * g).sum() for x, g in zip(lse, g_lse, strict=True))

@@ -27,9 +27,18 @@ from torch import Tensor
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(
-    CSRC / f for f in ("phase1_cpu.c", "merge_cpu.c", "merge_norm_cpu.c", "rms_norm_cpu.c")
+    CSRC / f
+    for f in (
+        "phase1_fwd_cpu.c",
+        "phase1_bwd_cpu.c",
+        "merge_cpu.c",
+        "merge_norm_cpu.c",
+        "rms_norm_cpu.c",
+    )
 )
-HEADERS = tuple(CSRC / f for f in ("vector_math.h", "merge_token.h", "norm_token.h"))
+HEADERS = tuple(
+    CSRC / f for f in ("vector_math.h", "phase1_tile.h", "merge_token.h", "norm_token.h")
+)
 FLAGS = ("-O2", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
 _F, _I, _L, _P = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {  # exported entry points; each returns 0, or -1 out of memory
@@ -44,6 +53,7 @@ _SIGNATURES = {  # exported entry points; each returns 0, or -1 out of memory
     "merge_bwd": (_P, _P, _P, _P, _P, _P, _P, _I, _L, _I, _P, _P, _P, _I, _P, _P, _I),
     "rms_norm_fwd": (_P, _P, _L, _I, _F, _P, _P, _I),
     "rms_norm_bwd": (_P, _P, _P, _P, _L, _I, _P, _P, _I),
+    "phase1_lanes": (),  # tokens per tile: the layout of phase 1's saved statistics
 }
 
 
@@ -148,6 +158,12 @@ def f32(t: Tensor) -> Tensor:
 
 def cast(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
+
+
+def lanes() -> int:
+    """Tokens per tile of the phase-1 kernels (their vector width): the saved logits are
+    ``[ceil(T / lanes), n, S, lanes]`` and the key statistics ``[ceil(T / lanes), n, lanes]``."""
+    return _library()[0].phase1_lanes()
 
 
 def call(name: str, *args) -> None:

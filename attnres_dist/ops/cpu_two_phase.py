@@ -1,7 +1,7 @@
 """Two-phase depth attention on the CPU through the project's fused C kernels (``cpu_fused``).
 
 Same math and signatures as :mod:`attnres_dist.ops.two_phase`; phase 1 and phase 2 run as one
-C loop per token (``csrc/phase1_cpu.c``, ``csrc/merge_cpu.c``, built and loaded by
+C loop over tokens (``csrc/phase1_*_cpu.c``, ``csrc/merge_cpu.c``, built and loaded by
 :mod:`attnres_dist.ops.cpu_library`), forward and backward, where the torch ops read every
 block about ten times and dispatch ~30 small ops per pass. Sources are computed in float32
 (bfloat16 / float16 ones are upcast as in the torch ops); float64 inputs and tensors off the
@@ -19,7 +19,16 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from attnres_dist.ops import two_phase
-from attnres_dist.ops.cpu_library import call, cast, f32, ptr, ptrs, requirement, runs_here
+from attnres_dist.ops.cpu_library import (
+    call,
+    cast,
+    f32,
+    lanes,
+    ptr,
+    ptrs,
+    requirement,
+    runs_here,
+)
 from attnres_dist.ops.depth_attention import one_pass_adapter
 
 __all__ = ["one_pass", "phase1", "phase1_split", "phase2", "requirement"]
@@ -75,7 +84,9 @@ class _Phase1(torch.autograd.Function):
         tokens = b.numel() // (n * dim)
         out1 = [b.new_empty(*batch, dim) for _ in range(s)]
         lse = [b.new_empty(batch) for _ in range(s)]
-        logits, rstd = b.new_empty(tokens, n, s), b.new_empty(tokens, n)
+        width = lanes()
+        tiles = -(-tokens // width)
+        logits, rstd = b.new_empty(tiles, n, s, width), b.new_empty(tiles, n, width)
         call(
             "phase1_fwd", ptr(b), ptrs(qg[:s]), ptrs(qg[s:]), n, tokens, dim, s, eps,
             ptrs(out1), ptrs(lse), ptr(logits), ptr(rstd), torch.get_num_threads(),

@@ -1,6 +1,6 @@
-/* Shared by the CPU kernels (phase1_cpu.c, merge_cpu.c, rms_norm_cpu.c): the vector type, dot
- * products, the vectorised exponential, prefetch and tile sizes, and the entry points' handling
- * of queries and gains.
+/* Shared by the CPU kernels (phase 1, the merges, RMSNorm): the vector type, dot products, the
+ * vectorised exponential and logarithm, prefetch, and the entry points' handling of queries and
+ * gains.
  *
  * Layouts (all contiguous, float32): blocks [n, T, D], queries / gains [S, D] (phase 1) or [D]
  * (phase 2), u = gains * queries, out1 / its gradient G [S, T, D], lse and its gradient
@@ -33,10 +33,8 @@ typedef int32_t vi __attribute__((vector_size(32)));
 #endif
 typedef float vf8 __attribute__((vector_size(32))); /* the horizontal sums' first fold */
 
-/* Four-float vectors: four queries' sums, and per-token softmax bookkeeping over [n, S4] arrays
- * (a row's queries in groups of four). */
+/* Four-float vectors: four rows' dot products, summed in one shuffle tree. */
 typedef float vf4 __attribute__((vector_size(16)));
-typedef int32_t vi4 __attribute__((vector_size(16)));
 
 static inline vf vload(const float *p) {
     vf v;
@@ -107,17 +105,51 @@ static inline vf vexp(vf x) {
     return (vf)((vi)scaled & ~small);
 }
 
+/* ln x of VW floats (Cephes' logf, ~1 ulp) for normal x > 0: x = m 2^e with m in
+ * [sqrt(1/2), sqrt(2)), ln x = e ln2 + ln m by a polynomial in m - 1. ln 1 is exactly 0. */
+static inline vf vlog(vf x) {
+    const vi bits = (vi)x;
+    vi e = ((bits >> 23) & 0xff) - 126; /* x = m 2^e, m in [1/2, 1) */
+    vf m = (vf)((bits & 0x807fffff) | 0x3f000000);
+    const vi small = m < 0.707106781186547524f; /* then m 2 and e - 1 */
+    e += small;
+    m = m + (vf)((vi)m & small) - 1.0f;
+    const vf z = m * m;
+    vf y = m * 7.0376836292e-2f - 1.1514610310e-1f;
+    y = y * m + 1.1676998740e-1f;
+    y = y * m - 1.2420140846e-1f;
+    y = y * m + 1.4249322787e-1f;
+    y = y * m - 1.6668057665e-1f;
+    y = y * m + 2.0000714765e-1f;
+    y = y * m - 2.4999993993e-1f;
+    y = y * m + 3.3333331174e-1f;
+    y = y * m * z;
+    const vf fe = __builtin_convertvector(e, vf);
+    y += fe * -2.12194440e-4f;
+    y += z * -0.5f;
+    return (m + y) + fe * 0.693359375f;
+}
+
+static inline vf vmax(vf a, vf b) {
+    const vi gt = a > b;
+    return (vf)(((vi)a & gt) | ((vi)b & ~gt));
+}
+
+/* 1 / sqrt(sq / D + eps) per lane: a row's key statistic from its sum of squares. */
+static inline vf vrsqrt_mean(vf sq, int D, float eps) {
+    float a[VW];
+    vstore(a, sq / (float)D + eps);
+#pragma omp simd
+    for (int i = 0; i < VW; ++i) a[i] = 1.0f / sqrtf(a[i]);
+    return vload(a);
+}
+
 /* A token's n rows lie T * D floats apart: n streams, more than the hardware prefetchers
  * follow once n passes ~16, so each pass asks for the rows of the token PREFETCH_AHEAD ahead. */
 #define PREFETCH_AHEAD 4
 
 static inline void prefetch_row(const float *x, int D) {
     for (int d = 0; d < D; d += 16) __builtin_prefetch(x + d, 0, 3);
-}
-
-/* In place exp of len floats (len a multiple of VW). */
-static inline void exp_inplace(float *x, int len) {
-    for (int i = 0; i < len; i += VW) vstore(x + i, vexp(vload(x + i)));
 }
 
 #define INLINE static inline __attribute__((always_inline))
@@ -159,25 +191,6 @@ INLINE void dotsq(const float *restrict x, const float *const *w, int D, const i
     if (QW > 2) out[2] = s2, out[3] = s3;
     if (sq) *sq = q;
 }
-
-/* Four-float vectors' loads, stores and elementwise maximum. */
-static inline vf4 vload4(const float *p) {
-    vf4 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void vstore4(float *p, vf4 v) { memcpy(p, &v, sizeof v); }
-
-static inline vf4 vmax4(vf4 a, vf4 b) {
-    const vi4 gt = a > b;
-    return (vf4)(((vi4)a & gt) | ((vi4)b & ~gt));
-}
-
-/* A token's n rows lie T * D floats apart, the same address modulo 4 KiB: past the cache's
- * associativity (~12 rows) they evict each other between a token's passes. The first pass
- * copies them into a contiguous tile (when n D floats fit TILE_FLOATS) that the others read. */
-#define TILE_FLOATS 16384
 
 /* r[j] = rsqrt(mean(b_j^2) + eps) and logit[j] = r[j] <b_j, u> for one token (one query):
  * both sums of a row in one pass. */
