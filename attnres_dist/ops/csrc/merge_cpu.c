@@ -1,7 +1,7 @@
-/* Phase 2 of two-phase depth attention, forward and backward, fused per token (merge_token.h):
- * one sublayer's phase-1 result merged with the sources not in the store by online softmax,
- * for one extra source (the Block partial: a two-way softmax) and for several (Full AttnRes's
- * group outputs). merge_norm_cpu.c fuses the sublayer's RMSNorm after them.
+/* Phase 2 of two-phase depth attention, forward and backward, over tiles of VW tokens
+ * (merge_token.h): one sublayer's phase-1 result merged with the sources not in the store by
+ * online softmax, for one extra source (the Block partial: a two-way softmax) and for several
+ * (Full AttnRes's group outputs). merge_norm_cpu.c fuses the sublayer's RMSNorm after them.
  */
 #include "merge_token.h"
 
@@ -11,8 +11,11 @@ int merge1_fwd(const float *o1, const float *lse, const float *e, const float *q
     float *u = products(q, g, 1, 1, D);
     if (!u) return -1;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < T; ++t)
-        merge1_token_forward(o1 + t * D, lse[t], e + t * D, u, D, eps, out + t * D, stats + t, T);
+    for (int64_t k = 0; k < TILES(T); ++k) {
+        const int64_t t0 = k * VW;
+        merge1_tile_forward(o1 + t0 * D, lse, e + t0 * D, u, t0, TILE_TOKENS(T, k), D, eps,
+                            out + t0 * D, stats, T);
+    }
     free(u);
     return 0;
 }
@@ -28,10 +31,12 @@ int merge1_bwd(const float *o1, const float *e, const float *q, const float *g,
         {
             float *du = w.du + (int64_t)omp_get_thread_num() * D;
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; ++t)
-                merge1_token_backward(o1 + t * D, e + t * D, w.u, stats[t], stats[T + t],
-                                      stats[2 * T + t], G + t * D, D, go1 ? go1 + t * D : 0,
-                                      glse + t, ge ? ge + t * D : 0, accumulate, du);
+            for (int64_t k = 0; k < TILES(T); ++k) {
+                const int64_t t0 = k * VW;
+                merge1_tile_backward(o1 + t0 * D, e + t0 * D, w.u, stats, t0, TILE_TOKENS(T, k),
+                                     T, G + t0 * D, D, go1 ? go1 + t0 * D : 0, glse,
+                                     ge ? ge + t0 * D : 0, accumulate, du);
+            }
         }
     }
     return work_finish(&w, ok, threads, 1, 1, D, q, g, gq, gg);
@@ -43,9 +48,11 @@ int merge_fwd(const float *o1, const float *lse, const float *e, const float *q,
     float *u = products(q, g, 1, 1, D);
     if (!u) return -1;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < T; ++t)
-        merge_token_forward(o1 + t * D, lse[t], e + t * D, T * D, u, m, D, eps, out + t * D,
-                            stats + t, T);
+    for (int64_t k = 0; k < TILES(T); ++k) {
+        const int64_t t0 = k * VW;
+        merge_tile_forward(o1 + t0 * D, lse, e + t0 * D, T * D, u, m, t0, TILE_TOKENS(T, k), D,
+                           eps, out + t0 * D, stats, T);
+    }
     free(u);
     return 0;
 }
@@ -60,10 +67,13 @@ int merge_bwd(const float *o1, const float *lse, const float *e, const float *q,
         {
             float *du = w.du + (int64_t)omp_get_thread_num() * D;
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; ++t)
-                merge_token_backward(o1 + t * D, lse[t], e + t * D, T * D, w.u, stats + t, T, m,
-                                     G + t * D, D, go1 ? go1 + t * D : 0, glse + t,
-                                     ge ? ge + t * D : 0, accumulate, du);
+            for (int64_t k = 0; k < TILES(T); ++k) {
+                const int64_t t0 = k * VW;
+                merge_tile_backward(o1 + t0 * D, lse, e + t0 * D, T * D, w.u, stats, t0,
+                                    TILE_TOKENS(T, k), T, m, G + t0 * D, D,
+                                    go1 ? go1 + t0 * D : 0, glse, ge ? ge + t0 * D : 0,
+                                    accumulate, du);
+            }
         }
     }
     return work_finish(&w, ok, threads, 1, 1, D, q, g, gq, gg);

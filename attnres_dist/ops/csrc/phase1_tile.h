@@ -42,23 +42,6 @@ static float *tile_copy_alloc(int n, int D) {
     return floats <= TILE_COPY_FLOATS ? malloc((size_t)floats * sizeof(float)) : 0;
 }
 
-/* lanes i < tt of v[t0 + i] (0 past them, or everywhere for a NULL v). */
-static inline vf vload_lanes(const float *v, int64_t t0, int tt) {
-    vf out = {0};
-    if (!v) return out;
-    if (tt == VW) return vload(v + t0);
-    for (int i = 0; i < tt; ++i) out[i] = v[t0 + i];
-    return out;
-}
-
-static inline void vstore_lanes(float *v, int64_t t0, int tt, vf x) {
-    if (tt == VW) {
-        vstore(v + t0, x);
-        return;
-    }
-    for (int i = 0; i < tt; ++i) v[t0 + i] = x[i];
-}
-
 /* The S rows [D] of qs as one [S, D] array (NULL when out of memory). */
 static float *gather_rows(const float *const *qs, int S, int D) {
     float *x = malloc((size_t)S * D * sizeof(float));

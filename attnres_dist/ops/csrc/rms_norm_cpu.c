@@ -20,9 +20,12 @@ int rms_norm_bwd(const float *x, const float *w, const float *r, const float *G,
 #pragma omp parallel num_threads(threads)
     {
         float *gw_t = part + (int64_t)omp_get_thread_num() * D;
+        /* split by tiles of VW tokens, as merge_norm_cpu.c does: each thread's part of the gain's
+         * gradient sums the same tokens in the same order, so the fused kernel's equals this */
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; ++t)
-            norm_token_backward(x + t * D, w, r[t], G + t * D, D, gx + t * D, gw_t);
+        for (int64_t k = 0; k < TILES(T); ++k)
+            for (int64_t t = k * VW; t < k * VW + TILE_TOKENS(T, k); ++t)
+                norm_token_backward(x + t * D, w, r[t], G + t * D, D, gx + t * D, gw_t);
     }
     sum_parts(part, threads, D, gw);
     free(part);

@@ -144,6 +144,28 @@ static inline vf vrsqrt_mean(vf sq, int D, float eps) {
     return vload(a);
 }
 
+/* Tokens are taken VW at a time where per-token scalars (softmax weights, key statistics)
+ * are formed across tokens in vector lanes: lanes i < tt of v[t0 + i] (0 past them, or
+ * everywhere for a NULL v), and their store. */
+#define TILES(T) (((T) + VW - 1) / VW)                                  /* tiles of T tokens */
+#define TILE_TOKENS(T, k) ((int)((T) - (k) * VW < VW ? (T) - (k) * VW : VW)) /* in tile k */
+
+static inline vf vload_lanes(const float *v, int64_t t0, int tt) {
+    vf out = {0};
+    if (!v) return out;
+    if (tt == VW) return vload(v + t0);
+    for (int i = 0; i < tt; ++i) out[i] = v[t0 + i];
+    return out;
+}
+
+static inline void vstore_lanes(float *v, int64_t t0, int tt, vf x) {
+    if (tt == VW) {
+        vstore(v + t0, x);
+        return;
+    }
+    for (int i = 0; i < tt; ++i) v[t0 + i] = x[i];
+}
+
 /* A token's n rows lie T * D floats apart: n streams, more than the hardware prefetchers
  * follow once n passes ~16, so each pass asks for the rows of the token PREFETCH_AHEAD ahead. */
 #define PREFETCH_AHEAD 4
