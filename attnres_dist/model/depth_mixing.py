@@ -84,10 +84,18 @@ class DepthMixer(torch.nn.Module):
         return fused(out1, lse, extra, q, g, norm.weight, eps=self.eps, norm_eps=norm.eps, **kw)
 
     def attend_store(self, state: DepthState) -> torch.Tensor:
-        """The whole two-phase mix for this mixer alone (the final aggregation)."""
-        out1, lse = self._op.phase1(
-            state.store, self.query.unsqueeze(0), self.key_norm_weight.unsqueeze(0), eps=self.eps
+        """The whole two-phase mix for this mixer alone (the final aggregation). Its phase 1
+        reads every row of the store, usually the first to backpropagate into them: it writes
+        their gradient into the store's buffer, where autograd would hand ``_Append`` a
+        gradient of the whole store to copy there."""
+        store, buffer, rows = state.store, state.buffer, state.num_completed
+        into = (
+            {"grad_into": lambda: buffer.grad_rows(0, rows)}
+            if self._op.grad_into and _holds(state)
+            else {}
         )
+        q, g = self.query.unsqueeze(0), self.key_norm_weight.unsqueeze(0)
+        out1, lse = self._op.phase1(store, q, g, eps=self.eps, **into)
         extra = None if state.partial is None else state.partial.unsqueeze(0)
         return self.merge(out1[0], lse[0], extra, state.store.dtype)
 
