@@ -180,3 +180,29 @@ def test_final_aggregation_writes_the_store_gradient_without_a_zero_fill(mode, s
     ]
     assert not [w for w in writes if w[1][0] == capacity and len(w[1]) == 4], writes
     assert_same(fast, loss_and_grads(build("reference", mode, size, num_layers=3)))
+
+
+@pytest.mark.skipif(cpu_kernel_requirement() is not None, reason="needs the C kernels")
+@pytest.mark.parametrize(
+    "mode, size, recompute, calls",
+    [
+        ("block", 2, "none", 3),  # 3 blocks: 3 phase-1 passes, none for the final aggregation
+        ("block", 4, "attnres", 2),  # blocks of 4 + 2 sublayers; merges recomputed, not phase 1
+        ("full", 1, "none", 1),  # 6 sublayers: one group
+        ("block", 2, "full", 7),  # 3 passes, again in each layer's recompute, the final's own
+    ],
+)
+def test_final_aggregation_joins_the_last_segment(mode, size, recompute, calls):
+    """The final aggregation's query rides on the last segment's phase 1 and merges the block
+    closed after it (phase 2), where a phase 1 of its own would read every block once more;
+    after a fully recomputed layer (no phase-1 results leave its group) it runs its own. The
+    model still matches the one-pass reference."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = build("cpu_fused", mode, size, num_layers=3, recompute=recompute)
+    assert (model.final.segment is None) == (recompute == "full")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fast = loss_and_grads(model)
+    assert sum(e.name == "_Phase1" for e in prof.events()) == calls
+    ref = build("reference", mode, size, num_layers=3, recompute=recompute)
+    assert_same(fast, loss_and_grads(ref))

@@ -185,12 +185,16 @@ def _holds(state: DepthState) -> bool:
     return state.buffer is not None and state.buffer.holds(state.store)
 
 
-def configure_segments(layers: list, plan: BlockPlan) -> None:
-    """Give consecutive local layers their segments and the store capacity of their range.
+def configure_segments(layers: list, plan: BlockPlan, final=None) -> None:
+    """Give consecutive local layers their segments and the store capacity of their range;
+    ``final``: the ``FinalAggregation`` that runs right after them, if any (see
+    :func:`join_final_segment`).
 
     Call after ``configure_recompute``: full-recompute groups cut segments (a recomputed group
     starts from its input state, without the phase-1 results of the group before it).
     """
+    if final is not None:
+        final.segment = None
     if not layers or plan.mode == "baseline":
         return
     size = plan.effective_block_size
@@ -211,3 +215,27 @@ def configure_segments(layers: list, plan: BlockPlan) -> None:
             segment = segments.setdefault(key, Segment(sublayer, [], rows))
             segment.mixers.append(mixer)
             layer.segments[sublayer] = segment
+    if final is not None:
+        join_final_segment(layers[-1], plan, final)
+
+
+def join_final_segment(last, plan: BlockPlan, final) -> None:
+    """The final aggregation's query joins the phase 1 of the last layer's segment: it attends
+    over the blocks that segment's phase 1 reads anyway and merges what closed after them
+    (phase 2), where a phase 1 of its own would read every block once more, forward and
+    backward. Only where the final aggregation runs right after the model's last layer on its
+    state (not after a recomputed group, whose output state carries no phase-1 results), with
+    the same two-phase implementation; ``final.segment`` is None otherwise."""
+    mixer = getattr(final, "mixer", None)
+    segment = last.segments.get(last.first_sublayer + 1)
+    if (
+        mixer is None
+        or not mixer.two_phase
+        or segment is None
+        or last.layer_index != plan.num_layers - 1
+        or last.recompute == "full"
+        or (mixer.impl, mixer.eps) != (segment.mixers[0].impl, segment.mixers[0].eps)
+    ):
+        return
+    segment.mixers.append(mixer)
+    final.segment = segment

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from attnres_dist.config.block_plan import BlockPlan
 from attnres_dist.model import dropout_streams
-from attnres_dist.model.depth_mixing import DepthMixer
+from attnres_dist.model.depth_mixing import DepthMixer, merge_inputs
 from attnres_dist.model.depth_state import DepthState
 from attnres_dist.model.document_masks import DocumentOptions, document_layout
 
@@ -92,6 +92,7 @@ class Embedding(torch.nn.Module):
 
 class FinalAggregation(torch.nn.Module):
     probe = None  # measurement hook, as AttnResLayer.probe
+    segment = None  # the last layer's two-phase segment, when its phase 1 has this query
 
     def __init__(self, config, plan: BlockPlan, impl: str = "lean"):
         super().__init__()
@@ -106,7 +107,12 @@ class FinalAggregation(torch.nn.Module):
                 f"final aggregation got a state after {state.layers_done} of "
                 f"{self.plan.num_layers} layers"
             )
-        if self.plan.mode == "baseline":
+        merge = self._phase2_inputs(state)
+        if merge is not None and self.probe is None:
+            return self.mixer.merge_norm(self.final_norm, *merge)
+        if merge is not None:
+            hidden = self.mixer.merge(*merge)
+        elif self.plan.mode == "baseline":
             hidden = state.partial
         elif self.mixer.two_phase:
             hidden = self.mixer.attend_store(state)
@@ -115,6 +121,18 @@ class FinalAggregation(torch.nn.Module):
         if self.probe is not None:
             self.probe.final(self, state, hidden)
         return self.final_norm(hidden)
+
+    def _phase2_inputs(self, state: DepthState):
+        """``merge``'s arguments from the last segment's phase 1, or None where it did not run
+        this query (``configure_segments``)."""
+        segment, cache = self.segment, state.phase1
+        if segment is None or cache is None or cache.first != segment.first:
+            return None
+        if len(cache.out1) != len(segment.mixers):  # the layers' segments were made anew
+            return None
+        sublayer = segment.first + segment.mixers.index(self.mixer)
+        out1, lse, extra, into = merge_inputs(state, sublayer, self.mixer.grad_into)
+        return out1, lse, extra, state.store.dtype, into
 
 
 class OutputLayer(torch.nn.Module):

@@ -130,7 +130,7 @@ class AttnResGPT(torch.nn.Module):
         if not self.tie_embeddings:
             self.output = builder.output()
         configure_recompute(list(self.layers), recompute, recompute_interval)
-        configure_segments(list(self.layers), self.plan)
+        configure_segments(list(self.layers), self.plan, final=self.final)
         # DeepSpeed moves the pipeline's parts to the GPU; the single-process model moves itself
         self.device = torch.device("cuda") if builder.runtime.on_gpu else torch.device("cpu")
         self.to(self.device)

@@ -126,7 +126,8 @@ def configure_local_layers(funcs, plan, recompute: str, recompute_interval: int)
     """Recompute and two-phase segments for the transformer layers among one stage's parts."""
     layers = [f.block for f in funcs if isinstance(f, LayerPipe)]
     configure_recompute(layers, recompute, recompute_interval)
-    configure_segments(layers, plan)
+    finals = [f.final for f in funcs if isinstance(f, FinalPipe)]
+    configure_segments(layers, plan, final=finals[0] if finals else None)
 
 
 class AttnResPipelineModule(PipelineModule):
