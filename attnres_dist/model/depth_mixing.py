@@ -20,6 +20,10 @@ together, not what any sublayer computes. Per sublayer this reads the
   ``c`` earlier sources once per group plus on average ``(G - 1) / 2`` group sources, so
   ``G ~ sqrt(2 c)`` balances the two; 8 suits the depths run here (c up to ~64).
 
+The final aggregation (``FinalAggregation``) runs right after the last layer: its query joins
+that layer's segment (``join_final_segment``), so its phase 1 is the segment's and its phase 2
+merges the block closed since; a phase 1 of its own would read every block once more.
+
 The phase-1 results live in the state (``Phase1Cache``) until the segment ends; they never
 cross a stage boundary. One-pass implementations (``lean``, ``reference``) read
 ``state.sources()`` as before.

@@ -83,6 +83,11 @@ class StoreBuffer:
         self._set(0, self.capacity if rows is None else rows)
         return self._grad
 
+    def grad_row(self, row: int) -> torch.Tensor:
+        """Row ``row``'s gradient so far (zeros where nothing was added yet)."""
+        self._set(row, row + 1)
+        return self._grad[row]
+
     def grad_rows(self, lo: int, hi: int) -> tuple[torch.Tensor, bool]:
         """(rows ``lo:hi`` of the gradient, accumulate). accumulate False: no value is in them
         yet and the caller must write every element; True: add into them."""
@@ -135,9 +140,15 @@ class _Append(torch.autograd.Function):
         if grad is not None:  # readers that returned their gradient through autograd
             rows, accumulate = ctx.buffer.grad_rows(0, c + 1)
             rows.add_(grad) if accumulate else rows.copy_(grad)
+        # every reader of row c read a store this append made (or a later one), so they have
+        # all run; rows < c of an aliased store may still get gradient from readers of the
+        # store this one grew (they gather in the buffer until the append that wrote them),
+        # so only row c is read here: filling the others would zero rows a later reader
+        # writes in full. A copied store's readers of this store's rows ran already.
+        if not ctx.copied:
+            return None, ctx.buffer.grad_row(c), None
         acc = ctx.buffer.grad(c + 1)
-        # rows < c of an aliased store gather in the buffer until the append that wrote them
-        return (acc[:c] if ctx.copied else None), acc[c], None
+        return acc[:c], acc[c], None
 
 
 @dataclass(frozen=True)
