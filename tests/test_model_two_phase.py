@@ -88,12 +88,16 @@ def test_full_and_block_size_one_are_the_same_model():
 
 @pytest.mark.parametrize("impl", FAST)
 @pytest.mark.parametrize("mode, size, cut", [("block", 3, 1), ("block", 4, 2), ("full", 1, 2)])
-def test_stage_cut_inside_a_segment(impl, mode, size, cut):
-    """Two 'stages' in one process: each configures its own segments; pack/unpack between."""
+@pytest.mark.parametrize("receive", ["views", "adopted"])
+def test_stage_cut_inside_a_segment(impl, mode, size, cut, receive):
+    """Two 'stages' in one process: each configures its own segments; pack/unpack between.
+    "adopted": the receiver copies the blocks into its store buffer (as a pipeline stage
+    does), "views": it reads them in the payload."""
     model = build(impl, mode, size, 4)
     first, second = list(model.layers[:cut]), list(model.layers[cut:])
     configure_segments(first, model.plan)
-    configure_segments(second, model.plan)
+    configure_segments(second, model.plan, final=model.final)
+    capacity = second[0].store_capacity if receive == "adopted" else None
     payloads = []
 
     def forward(tokens):
@@ -102,7 +106,8 @@ def test_stage_cut_inside_a_segment(impl, mode, size, cut):
             state = layer(state)
         payload = pack(state)
         payloads.append(payload)
-        state = unpack(payload, model.plan, cut, "cut")
+        state = unpack(payload, model.plan, cut, "cut", capacity)
+        assert (state.buffer is not None) == (receive == "adopted")
         for layer in second:
             state = layer(state)
         return model.embedding.logits(model.final(state))

@@ -151,6 +151,39 @@ class _Append(torch.autograd.Function):
         return acc[:c], acc[c], None
 
 
+class _Adopt(torch.autograd.Function):
+    """A received payload ``[k, s, b, h]`` as a state's parts: its completed blocks copied into
+    ``buffer`` (returned as the buffer's alias, so the stage's readers gather their gradient
+    there and later blocks grow in place) and its partial block, if any (a copy of the last
+    row). Backward hands the payload ONE gradient (the buffer's rows, and the partial block's):
+    slicing the payload would give each part a zero-filled gradient of the whole payload,
+    added up."""
+
+    @staticmethod
+    def forward(ctx, payload, completed: int, has_partial: bool, buffer: StoreBuffer):
+        buffer.data[:completed].copy_(payload[:completed])
+        ctx.completed, ctx.has_partial, ctx.buffer = completed, has_partial, buffer
+        ctx.set_materialize_grads(False)
+        store = _alias(buffer.data, completed)
+        if not has_partial:
+            return store
+        return store, payload[completed].clone()
+
+    @staticmethod
+    def backward(ctx, grad_store, grad_partial=None):
+        c, buffer = ctx.completed, ctx.buffer
+        if grad_store is not None:  # readers that returned their gradient through autograd
+            rows, accumulate = buffer.grad_rows(0, c)
+            rows.add_(grad_store) if accumulate else rows.copy_(grad_store)
+        rows = buffer.grad(c)[:c]  # every reader of these rows read this store or a later one
+        if not ctx.has_partial:
+            return rows, None, None, None
+        grad = rows.new_empty((c + 1, *rows.shape[1:]))
+        grad[:c].copy_(rows)
+        grad[c].copy_(grad_partial) if grad_partial is not None else grad[c].zero_()
+        return grad, None, None, None
+
+
 @dataclass(frozen=True)
 class Phase1Cache:
     """Phase-1 results of one segment: sublayers ``first ..`` over the first ``rows`` blocks."""
@@ -268,6 +301,23 @@ class DepthState:
             return DepthState(None, payload[0] if has_partial else None, layers_done)
         partial = payload[num_completed] if has_partial else None
         return DepthState(payload[:num_completed], partial, layers_done)
+
+    @staticmethod
+    def adopt_payload(
+        payload: torch.Tensor,
+        num_completed: int,
+        has_partial: bool,
+        layers_done: int,
+        capacity: int,
+    ) -> DepthState:
+        """Inverse of :meth:`payload` into a new store buffer of ``capacity`` rows (the blocks
+        copied once; see ``_Adopt``), for a stage whose layers grow the store further."""
+        if num_completed == 0:
+            return DepthState.from_payload(payload, 0, has_partial, layers_done)
+        buffer = StoreBuffer(payload.new_empty((max(capacity, num_completed), *payload.shape[1:])))
+        parts = _Adopt.apply(payload, num_completed, has_partial, buffer)
+        store, partial = parts if has_partial else (parts, None)
+        return DepthState(store, partial, layers_done, buffer=buffer)
 
     @staticmethod
     def from_tensors(

@@ -43,8 +43,16 @@ def check_payload(payload, expected: int, message: Callable[[object], str]) -> N
         raise PayloadError(message(got))
 
 
-def unpack(payload: torch.Tensor, plan: BlockPlan, layers_done: int, boundary: str) -> DepthState:
-    """One ``[k, s, b, h]`` tensor -> the DepthState after ``layers_done`` layers."""
+def unpack(
+    payload: torch.Tensor,
+    plan: BlockPlan,
+    layers_done: int,
+    boundary: str,
+    capacity: int | None = None,
+) -> DepthState:
+    """One ``[k, s, b, h]`` tensor -> the DepthState after ``layers_done`` layers; with
+    ``capacity`` (the rows the receiving layers' store grows to) its blocks are copied into a
+    store buffer (``DepthState.adopt_payload``), else the state holds views of the payload."""
     completed, has_partial = plan.state_after(2 * layers_done)
     expected = completed + int(has_partial)
     check_payload(
@@ -55,6 +63,8 @@ def unpack(payload: torch.Tensor, plan: BlockPlan, layers_done: int, boundary: s
             f"puts {expected} tensors [k={expected}, s, b, h] at the cut after {layers_done} layers"
         ),
     )
+    if capacity is not None:
+        return DepthState.adopt_payload(payload, completed, has_partial, layers_done, capacity)
     return DepthState.from_payload(payload, completed, has_partial, layers_done)
 
 

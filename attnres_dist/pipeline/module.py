@@ -188,7 +188,9 @@ class AttnResPipelineModule(PipelineModule):
             if self.payload == "tuple":
                 forward_input = self._unpack_tuple(forward_input, layers_done, boundary)
             else:
-                forward_input = unpack(forward_input, self.plan, layers_done, boundary)
+                forward_input = unpack(
+                    forward_input, self.plan, layers_done, boundary, self._store_capacity()
+                )
             if tokens is not None:
                 layout = document_layout(tokens, self.documents)
                 forward_input = dataclasses.replace(forward_input, layout=layout)
@@ -199,6 +201,11 @@ class AttnResPipelineModule(PipelineModule):
         if self.carries_tokens:
             return (sent, out.layout.tokens)
         return sent
+
+    def _store_capacity(self) -> int | None:
+        """The rows this stage's layers grow the store to (None: the stage has no layer)."""
+        first = self.forward_funcs[0] if self.forward_funcs else None
+        return first.block.store_capacity if isinstance(first, LayerPipe) else None
 
     def _unpack_tuple(self, received, layers_done: int, boundary: str) -> DepthState:
         completed, has_partial = self.plan.state_after(2 * layers_done)
