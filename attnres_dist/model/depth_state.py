@@ -98,6 +98,12 @@ class StoreBuffer:
         self._set(lo, hi)
         return self._grad[lo:hi], True
 
+    def add_grad(self, grad: torch.Tensor) -> None:
+        """Add ``grad`` (a gradient of the first ``len(grad)`` rows that reached a store through
+        autograd) to the rows' gradient, writing the rows that hold none yet."""
+        rows, accumulate = self.grad_rows(0, grad.shape[0])
+        rows.add_(grad) if accumulate else rows.copy_(grad)
+
     def _allocate(self) -> None:
         """The gradient, uninitialised, every row unset (once)."""
         if self._grad is None:
@@ -138,8 +144,7 @@ class _Append(torch.autograd.Function):
     def backward(ctx, grad):
         c = ctx.rows
         if grad is not None:  # readers that returned their gradient through autograd
-            rows, accumulate = ctx.buffer.grad_rows(0, c + 1)
-            rows.add_(grad) if accumulate else rows.copy_(grad)
+            ctx.buffer.add_grad(grad)
         # every reader of row c read a store this append made (or a later one), so they have
         # all run; rows < c of an aliased store may still get gradient from readers of the
         # store this one grew (they gather in the buffer until the append that wrote them),
@@ -173,8 +178,7 @@ class _Adopt(torch.autograd.Function):
     def backward(ctx, grad_store, grad_partial=None):
         c, buffer = ctx.completed, ctx.buffer
         if grad_store is not None:  # readers that returned their gradient through autograd
-            rows, accumulate = buffer.grad_rows(0, c)
-            rows.add_(grad_store) if accumulate else rows.copy_(grad_store)
+            buffer.add_grad(grad_store)
         rows = buffer.grad(c)[:c]  # every reader of these rows read this store or a later one
         if not ctx.has_partial:
             return rows, None, None, None
