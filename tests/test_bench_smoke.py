@@ -7,9 +7,12 @@ on the wire, and that every ratio of the summary is there and positive; not a me
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from attnres_dist.bench import (
+    binding_bench,
     depth_attention_bench,
     generation_bench,
     model_bench,
@@ -19,6 +22,26 @@ from attnres_dist.bench import (
 from attnres_dist.bench.peak_memory import peak_bytes
 from attnres_dist.bench.run import generation_rows, precision_markdown, summary_markdown
 from tests.conftest import TINY_MODEL
+
+
+@pytest.mark.slow
+def test_binding_bench_smoke(small_dataset, tmp_path):
+    result = binding_bench.run(
+        tmp_path, overrides=(f"data.path={small_dataset}", *TINY_MODEL), reps=1, warmup=1, rounds=1
+    )
+    assert (tmp_path / "pipeline_binding.json").exists()
+    assert set(result["variants"]) == {
+        "block_bound", "block_unbound", "baseline_bound", "baseline_unbound"
+    }  # fmt: skip
+    assert all(r > 0 for r in result["ratios"].values())
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2 and len(cores) == os.cpu_count():  # the bound job's ranks split them
+        half = len(cores) // 2
+        assert result["config"]["cores"] == f"rank 0: cores {cores[:half]}; rank 1: cores " + str(
+            cores[half : 2 * half]
+        )
+    rows = binding_bench.markdown_rows(result)
+    assert len(rows) == 4 and all(row.startswith("| pipeline step time") for row in rows)
 
 
 @pytest.mark.slow

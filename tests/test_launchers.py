@@ -393,6 +393,10 @@ def test_real_two_stage_job_on_one_node(launcher, schedule, tmp_path):
     run_dir, log = tmp_path / "run", tmp_path / f"{launcher}.log"
     wait_all([start(launcher, run_dir, log, schedule)], [log])
     assert_finished(run_dir, [log])
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2 and len(cores) == os.cpu_count():  # every launcher says 2 ranks share
+        bound = f"cpu_binding=cores (local rank 0: cores {cores[0]}"  # the host: rank 0's cores
+        assert bound in log.read_text(errors="replace"), tails([log])
     if schedule != "1f1b":  # the start-up line names the schedule that ran
         assert f"schedule: {schedule}," in log.read_text(errors="replace"), tails([log])
 

@@ -7,7 +7,9 @@ model benchmark
 (``model_bench``, in this process: AttnRes / baseline step time at three shapes, old path vs
 new; tokens/s against a plain-PyTorch GPT), the generation benchmark (``generation_bench``,
 in this process) and the RMSNorm benchmark (``norm_bench``: the C kernel against torch's, and the
-fused merge + norm against the two kernels composed);
+fused merge + norm against the two kernels composed) and the core binding benchmark
+(``binding_bench``: a pp = 2 step with each rank on its own cores vs on the scheduler's,
+alternating 2-rank jobs);
 the model and generation benchmarks open a one-process group. Each writes its own JSON into
 ``DIR``. The summary lists each ratio with what it compares, and the
 per-boundary bytes predicted by the activation contract next to the bytes measured on the wire.
@@ -21,6 +23,7 @@ import argparse
 from pathlib import Path
 
 from attnres_dist.bench import (
+    binding_bench,
     depth_attention_bench,
     generation_bench,
     model_bench,
@@ -212,6 +215,7 @@ def summary_markdown(
     model: dict | None = None,
     prec: dict | None = None,
     norm: dict | None = None,
+    binding: dict | None = None,
 ) -> str:
     r, p = depth["ratios"], pipe["ratios"]
     v = pipe["variants"]
@@ -253,6 +257,7 @@ def summary_markdown(
         f"{ms['baseline_old']:.1f} ms |",
         f"| pipeline step time, Block AttnRes new / old path | "
         f"{p['step_time_block_new_over_old']:.3f} | pp = 2 |",
+        *(binding_bench.markdown_rows(binding) if binding is not None else []),
         *(
             f"| stage {k[5]} peak memory, Block AttnRes new / old path | {p[k]:.3f} | "
             "one pp = 2 training step |"
@@ -321,6 +326,7 @@ def main(argv: list[str] | None = None) -> None:
         prec = precision_bench.run(out, reps=2, warmup=1)
         gen = generation_bench.run(out, new=16, reps=1, warmup=0)
         norm = norm_bench.run(out, tokens=256, reps=3, warmup=1)
+        binding = binding_bench.run(out, reps=2, warmup=1, rounds=1)
     else:
         depth = depth_attention_bench.run(out)
         pipe = pipeline_bench.run(out)
@@ -328,7 +334,8 @@ def main(argv: list[str] | None = None) -> None:
         model = model_bench.run(out)
         gen = generation_bench.run(out)
         norm = norm_bench.run(out)
-    text = summary_markdown(depth, pipe, gen, model, prec, norm)
+        binding = binding_bench.run(out)
+    text = summary_markdown(depth, pipe, gen, model, prec, norm, binding)
     (out / "summary.md").write_text(text)
     print(text)
 

@@ -29,6 +29,8 @@ class LaunchEnv:
     local_rank: int
     master_addr: str
     master_port: int
+    # ranks on this host, where the launcher says (or, under MPI, the gathered host names do)
+    local_world_size: int | None = None
 
     @property
     def init_method(self) -> str:
@@ -39,6 +41,11 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _optional_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return None if value is None else int(value)
 
 
 def _mpi_rank_size() -> tuple[int, int, int | None] | None:
@@ -73,11 +80,13 @@ def detect_launch_env() -> LaunchEnv:
             local_rank=int(env.get("LOCAL_RANK", 0)),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", 29500)),
+            # torchrun's name, then the deepspeed launcher's
+            local_world_size=_optional_int("LOCAL_WORLD_SIZE") or _optional_int("LOCAL_SIZE"),
         )
     mpi = _mpi_rank_size()
     if mpi is not None and mpi[1] > 1:
         return _from_mpi(mpi[2])
-    return LaunchEnv("single", 0, 1, 0, "127.0.0.1", free_port())
+    return LaunchEnv("single", 0, 1, 0, "127.0.0.1", free_port(), local_world_size=1)
 
 
 def _from_mpi(local_rank: int | None) -> LaunchEnv:
@@ -101,7 +110,8 @@ def _from_mpi(local_rank: int | None) -> LaunchEnv:
         port = int(os.environ.get("MASTER_PORT") or free_port())
         endpoint = (addr, port)
     addr, port = comm.bcast(endpoint, root=0)
-    return LaunchEnv("mpirun", rank, comm.Get_size(), local_rank, addr, port)
+    local_world_size = hosts.count(host)
+    return LaunchEnv("mpirun", rank, comm.Get_size(), local_rank, addr, port, local_world_size)
 
 
 def master_address(host: str, hosts: list[str]) -> str:

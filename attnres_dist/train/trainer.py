@@ -33,7 +33,9 @@ from attnres_dist.errors import ConfigError
 from attnres_dist.model import dropout_streams
 from attnres_dist.model.document_masks import DocumentOptions
 from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
+from attnres_dist.parallel.core_binding import bind_cores
 from attnres_dist.parallel.dims import ParallelDims
+from attnres_dist.parallel.launch_env import detect_launch_env
 from attnres_dist.parallel.process_groups import init_distributed
 from attnres_dist.pipeline import precision
 from attnres_dist.runtime import select_runtime
@@ -108,8 +110,15 @@ class Trainer:
         precision.check_supported(cfg, self.runtime, self.dims.world_size)
         # so does choosing the checkpoint to resume: missing, damaged or foreign ones are bad input
         self.checkpoints = Checkpointing.for_run(cfg, self.meta, vocab, self.dims.tp)
+        launch = detect_launch_env()
+        # before the process group starts, so that every thread it creates inherits the cores
+        self.cpu_binding = bind_cores(launch, cfg.runtime.cpu_binding, self.runtime.on_gpu)
         self.launch = init_distributed(
-            self.dims, cfg.parallel.timeout_s, cfg.train.seed, device=self.runtime.device.value
+            self.dims,
+            cfg.parallel.timeout_s,
+            cfg.train.seed,
+            launch=launch,
+            device=self.runtime.device.value,
         )
         torch.manual_seed(cfg.train.seed)
         self.builder = ModelBuilder(
@@ -188,6 +197,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         self.save_config()
         self.metrics.message(self.runtime.describe())
+        self.metrics.message("cpu_binding={} ({})".format(*self.cpu_binding))
         if getattr(self.engine, "schedule_note", None):  # virtual stages: layout and boundary
             self.metrics.message(self.engine.schedule_note)
         self.metrics.message(
