@@ -1,4 +1,4 @@
-"""Each local rank on its own cores (``runtime.cpu_binding``, attnres_dist.parallel.core_binding).
+"""Each local rank on its own cores (``runtime.cpu_binding``, parallel/core_binding.py).
 
 The split is a pure function, checked by hand-written cases; binding changes the affinity of
 the calling process, so each case of ``bind_cores`` runs in a child process and reports back
@@ -21,7 +21,6 @@ from attnres_dist.parallel.launch_env import LaunchEnv
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORES = sorted(os.sched_getaffinity(0))
-UNBOUND = len(CORES) == os.cpu_count()
 
 
 def test_ranks_take_equal_consecutive_shares():
@@ -50,23 +49,16 @@ if args["pre_bind"] is not None:
 launch = LaunchEnv("torchrun", args["rank"], args["world"], args["rank"], "127.0.0.1", 1,
                    args["local_world"])
 try:
-    done = list(bind_cores(launch, args["mode"], args["on_gpu"]))
+    done = list(bind_cores(launch, args["mode"]))
 except ConfigError as exc:
     done = ["error", str(exc)]
 print(json.dumps({"done": done, "affinity": sorted(os.sched_getaffinity(0))}))
 """
 
 
-def bind_in_child(
-    mode="auto", rank=0, local_world=2, on_gpu=False, pre_bind=None, world=None
-) -> dict:
+def bind_in_child(mode, rank=0, local_world=2, pre_bind=None, world=None) -> dict:
     args = dict(
-        mode=mode,
-        rank=rank,
-        world=world or local_world or 1,
-        local_world=local_world,
-        on_gpu=on_gpu,
-        pre_bind=pre_bind,
+        mode=mode, rank=rank, world=world or local_world, local_world=local_world, pre_bind=pre_bind
     )
     out = subprocess.run(
         [sys.executable, "-c", CHILD, json.dumps(args)],
@@ -78,39 +70,25 @@ def bind_in_child(
     return json.loads(out.stdout)
 
 
-needs_two_free_cores = pytest.mark.skipif(
-    len(CORES) < 2 or not UNBOUND, reason="needs 2+ cores and a process nothing bound"
-)
-
-
-@needs_two_free_cores
-def test_auto_binds_each_local_rank_to_its_share():
+def test_cores_binds_each_local_rank_to_its_share():
+    if len(CORES) < 2:
+        pytest.skip("needs 2+ cores")
     half = len(CORES) // 2
     for rank in range(2):
-        got = bind_in_child(rank=rank)
+        got = bind_in_child(mode="cores", rank=rank)
         mine = CORES[rank * half : (rank + 1) * half]
         assert got["affinity"] == mine
         assert got["done"][0] == "cores"
         assert got["done"][1].startswith(f"local rank {rank}: cores {mine[0]}")
-        assert got["done"][1].endswith(f"; 2 ranks on {len(CORES)} cores")
+        assert got["done"][1].endswith(" of 2 ranks")
 
 
-@needs_two_free_cores
-def test_auto_leaves_a_bound_process_alone():
-    got = bind_in_child(pre_bind=CORES[:1])
-    assert got == {"done": ["none", f"already bound to {CORES[0]}"], "affinity": CORES[:1]}
-
-
-def test_auto_leaves_one_rank_gpu_runs_and_unknown_hosts_alone():
-    assert bind_in_child(local_world=1)["done"] == ["none", "one rank on this host"]
-    assert bind_in_child(on_gpu=True)["done"] == ["none", "GPU run"]
-    got = bind_in_child(local_world=None, world=2)
-    assert got["done"] == ["none", "torchrun did not say how many ranks share this host"]
-    assert got["affinity"] == CORES
-    many = len(CORES) + 1
-    got = bind_in_child(local_world=many)
-    assert got["done"] == ["none", f"{many} ranks on this host share {len(CORES)} cores"]
-    assert got["affinity"] == CORES
+def test_cores_splits_what_an_existing_binding_allows():
+    if len(CORES) < 2:
+        pytest.skip("needs 2+ cores")
+    got = bind_in_child(mode="cores", rank=1, pre_bind=CORES[:2])
+    assert got == {"done": ["cores", f"local rank 1: cores {CORES[1]} of 2 ranks"],
+                   "affinity": [CORES[1]]}  # fmt: skip
 
 
 def test_none_never_binds():
@@ -123,28 +101,25 @@ def test_cores_refuses_what_it_cannot_do_in_one_line():
     assert got["done"] == [
         "error",
         f"runtime.cpu_binding: 'cores' with {many} ranks on this host but {len(CORES)} cores "
-        "available to them; use auto or none",
+        "available to them; use none",
     ]
+    assert got["affinity"] == CORES
     got = bind_in_child(mode="cores", local_world=None, world=2)
     assert got["done"] == [
         "error",
         "runtime.cpu_binding: 'cores' needs the number of ranks on this host, which torchrun "
-        "did not export (LOCAL_WORLD_SIZE); use auto or none",
+        "did not export (LOCAL_WORLD_SIZE); use none",
     ]
 
 
-def test_cores_binds_inside_an_existing_binding():
-    if len(CORES) < 2:
-        pytest.skip("needs 2+ cores")
-    got = bind_in_child(mode="cores", rank=1, pre_bind=CORES[:2])
-    assert got["affinity"] == [CORES[1]]
-    assert got["done"] == ["cores", f"local rank 1: cores {CORES[1]}; set in config"]
+def test_default_is_none():
+    assert config_from_dict({}).runtime.cpu_binding == "none"
 
 
 def test_unknown_mode_is_a_config_error():
     with pytest.raises(ConfigError) as info:
         config_from_dict({"runtime": {"cpu_binding": "numa"}})
-    assert str(info.value) == "runtime.cpu_binding: got 'numa'; allowed: auto, cores, none"
+    assert str(info.value) == "runtime.cpu_binding: got 'numa'; allowed: none, cores"
 
 
 def test_launchers_say_how_many_ranks_share_the_host(monkeypatch):

@@ -191,7 +191,7 @@ def _validate_runtime(r: RuntimeConfig) -> None:
         ("dtype", ("auto", "fp32", "bf16")),
         ("core_attention", ("auto", "sdpa", "megatron")),
         ("cpu_allocator", ("auto", "retain", "system")),
-        ("cpu_binding", ("auto", "cores", "none")),
+        ("cpu_binding", ("none", "cores")),
     ):
         value = getattr(r, name)
         _require(

@@ -124,9 +124,8 @@ class RuntimeConfig:
     # auto | retain | system: whether freed host memory stays in the process for reuse
     # (attnres_dist.runtime.allocator; auto: retain on a CPU run where the C library is glibc)
     cpu_allocator: str = "auto"
-    # auto | cores | none: each local rank of a multi-process CPU run on its own share of the
-    # cores (attnres_dist.parallel.core_binding; auto: when nothing bound the process already)
-    cpu_binding: str = "auto"
+    # none | cores: each local rank on its own share of the cores (parallel/core_binding.py)
+    cpu_binding: str = "none"
 
     def __post_init__(self):
         for name in ("fused_norm", "fused_optimizer"):

@@ -112,7 +112,7 @@ class Trainer:
         self.checkpoints = Checkpointing.for_run(cfg, self.meta, vocab, self.dims.tp)
         launch = detect_launch_env()
         # before the process group starts, so that every thread it creates inherits the cores
-        self.cpu_binding = bind_cores(launch, cfg.runtime.cpu_binding, self.runtime.on_gpu)
+        self.cpu_binding = bind_cores(launch, cfg.runtime.cpu_binding)
         self.launch = init_distributed(
             self.dims,
             cfg.parallel.timeout_s,
