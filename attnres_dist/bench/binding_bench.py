@@ -17,9 +17,8 @@ Usage: ``python -m attnres_dist.bench.binding_bench --out DIR``
 
 from __future__ import annotations
 
-import json
+import functools
 import statistics
-import time
 from pathlib import Path
 
 from attnres_dist.bench import launch_job as job
@@ -27,8 +26,6 @@ from attnres_dist.bench.paired import median_ratio, paired_ratio
 
 MODELS = ("block", "baseline")
 PLACEMENTS = ("bound", "unbound")
-
-
 BINDING = {"bound": "cores", "unbound": "none"}
 
 
@@ -66,7 +63,7 @@ def run(
     result = {
         "variants": {
             k: {"step_s": job.quantiles(v), "job_medians_s": medians[k]} for k, v in flat.items()
-        },  # fmt: skip
+        },
         "ratios": ratios,
         "ratios_of_medians": {
             f"{m}_unbound_over_bound": median_ratio(flat[f"{m}_unbound"], flat[f"{m}_bound"])
@@ -133,10 +130,7 @@ def _worker(args) -> None:
     times = {m: [] for m in MODELS}
     for rep, m in job.rotating_steps(list(MODELS), args.warmup, args.reps):
         micro = trainers[m].micro_batches(rep)  # the same data for every variant
-        dist.barrier()
-        start = time.perf_counter()
-        trainers[m].engine.train_step(micro)
-        elapsed = job.slowest_rank_seconds(time.perf_counter() - start)
+        elapsed = job.timed_step(functools.partial(trainers[m].engine.train_step, micro))
         if rep >= args.warmup:
             times[m].append(elapsed)
     cores = job.gather_to_first(sorted(os.sched_getaffinity(0)))
@@ -159,13 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = job.parser(__doc__, reps=8)
     parser.add_argument("--binding", default="cores", choices=tuple(BINDING.values()))
     parser.add_argument("--rounds", type=int, default=3)
-    args, _ = parser.parse_known_args(argv)
-    if args.worker:
-        job.main(parser, argv, _worker, run, format_table)
-        return
-    result = run(args.out, args.config, tuple(args.overrides), args.reps, args.warmup, args.rounds)
-    print(format_table(result))
-    print(json.dumps(result["ratios"], indent=2))
+    job.main(parser, argv, _worker, run, format_table, own_options=("rounds",))
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ Such a benchmark is one module that is both the launcher and the worker: ``parse
 both sides the same command line, ``bench_job`` starts the worker side and reads back the JSON
 its rank 0 wrote, ``main`` dispatches. On the ranks, ``variant_config`` builds each variant's
 config, ``rotating_steps`` gives the rotating order of the timed steps (machine noise hits every
-variant alike), ``slowest_rank_seconds`` a step's time, ``gather_to_first`` the ranks' records
-and ``finish_worker`` writes the result and closes the process groups.
+variant alike), ``timed_step`` (``slowest_rank_seconds``) a step's time, ``gather_to_first``
+the ranks' records and ``finish_worker`` writes the result and closes the process groups.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -163,6 +164,17 @@ def slowest_rank_seconds(seconds: float) -> float:
     elapsed = torch.tensor(seconds, dtype=torch.float64, device=comm_device())
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
+
+
+def timed_step(step: Callable[[], object]) -> float:
+    """Seconds of ``step()`` started after a barrier on every rank, the slowest rank's
+    (collective)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    step()
+    return slowest_rank_seconds(time.perf_counter() - start)
 
 
 def quantiles(samples: list[float]) -> dict:

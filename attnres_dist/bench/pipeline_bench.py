@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import statistics
-import time
 from pathlib import Path
 
 from attnres_dist.bench import launch_job as job
@@ -183,10 +182,8 @@ def _worker(args) -> None:
             tap.begin_step(counter)
             step_variant[counter] = name
             timers[name].enabled = rep >= args.warmup
-            dist.barrier()
-            start = time.perf_counter()
-            timers[name].run_step(counter, lambda n=name, m=micro: trainers[n].engine.train_step(m))
-            elapsed = job.slowest_rank_seconds(time.perf_counter() - start)
+            step = functools.partial(trainers[name].engine.train_step, micro)
+            elapsed = job.timed_step(functools.partial(timers[name].run_step, counter, step))
             counter += 1
             if rep >= args.warmup:
                 times[name].append(elapsed)

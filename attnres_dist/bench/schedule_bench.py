@@ -21,7 +21,7 @@ Usage: ``python -m attnres_dist.bench.schedule_bench --out DIR [--reps N] [overr
 from __future__ import annotations
 
 import contextlib
-import time
+import functools
 from pathlib import Path
 
 from attnres_dist.bench import launch_job as job
@@ -98,10 +98,8 @@ def _worker(args) -> None:
         for rep, name in job.rotating_steps(names, args.warmup, args.reps):
             micro = trainers[name].micro_batches(rep)  # the same data for every schedule
             timers[name].enabled = rep >= args.warmup
-            dist.barrier()
-            start = time.perf_counter()
-            timers[name].run_step(rep, lambda n=name, m=micro: trainers[n].engine.train_step(m))
-            elapsed = job.slowest_rank_seconds(time.perf_counter() - start)
+            step = functools.partial(trainers[name].engine.train_step, micro)
+            elapsed = job.timed_step(functools.partial(timers[name].run_step, rep, step))
             if rep >= args.warmup:
                 times[name].append(elapsed)
     events = {n: [e.to_dict() for e in timer.events] for n, timer in timers.items()}

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from attnres_dist.errors import ConfigError
 from attnres_dist.parallel.launch_env import LaunchEnv
 
-MODES = ("none", "cores")
 FIELD = "runtime.cpu_binding"
 _bound: tuple[str, str] | None = None  # what this process bound itself to (binding is per process)
 
@@ -32,8 +31,8 @@ _bound: tuple[str, str] | None = None  # what this process bound itself to (bind
 def cores_for_rank(
     available: Sequence[int], local_rank: int, local_world_size: int
 ) -> tuple[int, ...] | None:
-    """Local rank ``local_rank``'s share of ``available`` (sorted core ids): ``len(available)
-    // local_world_size`` consecutive cores; None when there are fewer cores than ranks."""
+    """Local rank ``local_rank``'s share of the core ids ``available``: ``len(available) //
+    local_world_size`` consecutive ones, in order; None when there are fewer cores than ranks."""
     cores = sorted(available)
     if local_world_size < 1 or not 0 <= local_rank < local_world_size:
         raise ValueError(f"local rank {local_rank} of {local_world_size}")
@@ -58,7 +57,7 @@ def bind_cores(launch: LaunchEnv, mode: str) -> tuple[str, str]:
             f"'cores' needs the number of ranks on this host, which {launch.launcher} did "
             "not export (LOCAL_WORLD_SIZE); use none",
         )
-    available = sorted(os.sched_getaffinity(0))
+    available = os.sched_getaffinity(0)
     cores = cores_for_rank(available, launch.local_rank, local)
     if cores is None:
         raise ConfigError(
@@ -72,9 +71,8 @@ def bind_cores(launch: LaunchEnv, mode: str) -> tuple[str, str]:
 
 
 def _spans(cores: Sequence[int]) -> str:
-    """``0-3,8`` for cores 0, 1, 2, 3, 8."""
+    """``0-3,8`` for (sorted) cores 0, 1, 2, 3, 8."""
     out, start = [], None
-    cores = sorted(cores)
     for i, core in enumerate(cores):
         if start is None:
             start = core
