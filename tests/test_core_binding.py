@@ -17,7 +17,6 @@ import pytest
 from attnres_dist.config import config_from_dict
 from attnres_dist.errors import ConfigError
 from attnres_dist.parallel.core_binding import cores_for_rank
-from attnres_dist.parallel.launch_env import LaunchEnv
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORES = sorted(os.sched_getaffinity(0))
@@ -120,20 +119,3 @@ def test_unknown_mode_is_a_config_error():
     with pytest.raises(ConfigError) as info:
         config_from_dict({"runtime": {"cpu_binding": "numa"}})
     assert str(info.value) == "runtime.cpu_binding: got 'numa'; allowed: none, cores"
-
-
-def test_launchers_say_how_many_ranks_share_the_host(monkeypatch):
-    from attnres_dist.parallel.launch_env import detect_launch_env
-
-    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setenv("LOCAL_SIZE", "2")  # the deepspeed launcher's name
-    assert detect_launch_env().local_world_size == 2
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's
-    env = detect_launch_env()
-    assert (env.launcher, env.local_world_size) == ("torchrun", 4)
-    assert LaunchEnv("single", 0, 1, 0, "127.0.0.1", 1).local_world_size is None

@@ -1,4 +1,4 @@
-"""Tests for launch/{torchrun,deepspeed,mpirun}.sh and the MPI side of launch_env.
+"""Tests for launch/{torchrun,deepspeed,mpirun}.sh (launch_env itself: test_launch_env.py).
 
 Fast tests check what ``--dry-run`` prints (single node and multi-node: one line per node for
 the per-node launchers, one hostfile-driven line for mpirun). The slow tests run a real 2-stage
@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from attnres_dist.parallel import launch_env
 from attnres_dist.parallel.launch_env import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -287,36 +286,6 @@ def test_help_prints_the_usage_header():
         assert proc.returncode == 0
         assert proc.stdout.startswith(f"launch/{launcher}.sh:")
         assert "--dry-run" in proc.stdout
-
-
-# ---------------------------------------------------------------------------------------------
-# launch_env under MPI
-
-
-def test_mpich_environment_is_detected(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("PMI_RANK", "3")
-    monkeypatch.setenv("PMI_SIZE", "4")
-    monkeypatch.setenv("MPI_LOCALRANKID", "1")
-    assert launch_env._mpi_rank_size() == (3, 4, 1)
-    monkeypatch.delenv("MPI_LOCALRANKID")
-    assert launch_env._mpi_rank_size() == (3, 4, None)  # then derived from host names
-
-
-def test_master_address_is_loopback_on_one_host_and_routable_across_hosts():
-    assert launch_env.master_address("a", ["a", "a"]) == "127.0.0.1"
-    # A peer reached through a real interface: the announced address is that interface's,
-    # never loopback (host names often resolve to 127.0.1.1 through /etc/hosts).
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        try:
-            sock.connect(("192.0.2.1", 9))  # TEST-NET-1: routed by the default route, if any
-            expected = sock.getsockname()[0]
-        except OSError:
-            pytest.skip("no default route on this machine")
-    if expected.startswith("127."):
-        pytest.skip("only loopback routes on this machine")
-    assert launch_env.master_address("a", ["a", "192.0.2.1"]) == expected
 
 
 # ---------------------------------------------------------------------------------------------
