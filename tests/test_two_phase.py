@@ -126,21 +126,26 @@ SPLIT = [name for name in TWO_PHASE if get_depth_attention(name).phase1_split is
 @pytest.mark.parametrize("n, s, dim", [(1, 1, 16), (3, 2, 13), (9, 4, 16), (5, 8, 72)])
 @pytest.mark.parametrize("used", ["all", "some"])
 @pytest.mark.parametrize("tokens", [(5, 2), (37, 1)], ids=["10", "37"])
-def test_phase1_split_matches_naive_definition(impl, n, s, dim, used, tokens):
+@pytest.mark.parametrize("first_norm", [False, True], ids=["", "first_norm"])
+def test_phase1_split_matches_naive_definition(impl, n, s, dim, used, tokens, first_norm):
     """Per-query parameters in, per-query outputs out; "some": the loss reads the first
     query's output and the last one's log-sum-exp only, so the others get no gradient.
-    37 tokens: more than one tile of the C kernels (8 or 16 tokens), the last one partial."""
+    37 tokens: more than one tile of the C kernels (8 or 16 tokens), the last one partial.
+    first_norm: the first output is an RMSNorm (its own gain, eps 1e-5) of the first query's
+    mix, and the gain gets its gradient too."""
     op = get_depth_attention(impl)
     gen = torch.Generator().manual_seed(n * 10 + s)
     blocks = torch.randn(n, *tokens, dim, generator=gen).requires_grad_()
     queries = [(0.3 * torch.randn(dim, generator=gen)).requires_grad_() for _ in range(s)]
     gains = [(1 + 0.3 * torch.randn(dim, generator=gen)).requires_grad_() for _ in range(s)]
+    norm_gain = (1 + 0.3 * torch.randn(dim, generator=gen)).requires_grad_()
     g_out = torch.randn(s, *tokens, dim, generator=gen)
     g_lse = torch.randn(s, *tokens, generator=gen)
     if used == "some":
         g_out[1:] = 0
         g_lse[:-1] = 0
-    out1, lse = op.phase1_split(blocks, queries, gains)
+    kw = {"first_norm": (norm_gain, 1e-5)} if first_norm else {}
+    out1, lse = op.phase1_split(blocks, queries, gains, **kw)
     assert len(out1) == len(lse) == s
     shapes = [(o.shape, x.shape) for o, x in zip(out1, lse, strict=True)]
     assert all(o == (*tokens, dim) and x == tokens for o, x in shapes)
@@ -149,16 +154,20 @@ def test_phase1_split_matches_naive_definition(impl, n, s, dim, used, tokens):
         loss = loss + sum((x * g).sum() for x, g in zip(lse, g_lse, strict=True))
     else:
         loss = (out1[0] * g_out[0]).sum() + (lse[-1] * g_lse[-1]).sum()
-    leaves = [blocks, *queries, *gains]
+    leaves = [blocks, *queries, *gains, *([norm_gain] if first_norm else [])]
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)
 
     b = blocks.detach().double().requires_grad_()
     q = [t.detach().double().requires_grad_() for t in queries]
     g = [t.detach().double().requires_grad_() for t in gains]
+    w = norm_gain.detach().double().requires_grad_()
     ref = [naive_mix(list(b), q[i], g[i]) for i in range(s)]
+    if first_norm:  # RMSNorm written out: x / sqrt(mean(x^2) + eps) * w
+        x = ref[0][0]
+        ref[0] = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w, ref[0][1])
     loss = sum((r[0] * go.double()).sum() + (r[1] * gl.double()).sum()
                for r, go, gl in zip(ref, g_out, g_lse, strict=True))  # fmt: skip
-    ref_grads = torch.autograd.grad(loss, [b, *q, *g])
+    ref_grads = torch.autograd.grad(loss, [b, *q, *g, *([w] if first_norm else [])])
     for a, e in zip([*out1, *lse], [*(r[0] for r in ref), *(r[1] for r in ref)], strict=True):
         assert rel_err(a, e) <= 2e-6
     for a, e in zip(grads, ref_grads, strict=True):

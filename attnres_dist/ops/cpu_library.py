@@ -43,8 +43,10 @@ FLAGS = ("-O2", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-share
 _F, _I, _L, _P = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {  # exported entry points; each returns 0, or -1 out of memory
     # phase 1 takes each query's tensors through arrays of S pointers (``ptrs``)
-    "phase1_fwd": (_P, _P, _P, _I, _L, _I, _I, _F, _P, _P, _P, _P, _I),
-    "phase1_bwd": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _L, _I, _I, _P, _I, _P, _P, _I),
+    # ... then the first query's RMSNorm (its gain or NULL, eps, output, reciprocal RMS)
+    "phase1_fwd": (_P, _P, _P, _I, _L, _I, _I, _F, _P, _P, _P, _P, _P, _F, _P, _P, _I),
+    # ... then the first query's RMSNorm (gain or NULL, reciprocal RMS, input, gain gradient)
+    "phase1_bwd": (*(_P,) * 8, _I, _L, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I),
     "merge1_fwd": (_P, _P, _P, _P, _P, _L, _I, _F, _P, _P, _I),
     "merge1_bwd": (_P, _P, _P, _P, _P, _P, _L, _I, _P, _P, _P, _I, _P, _P, _I),
     "merge_norm_fwd": (_P, _P, _P, _P, _P, _P, _I, _L, _I, _F, _F, _P, _P, _I),

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
@@ -70,13 +71,16 @@ def _in_param_dtypes(grads: list[Tensor] | None, params) -> tuple:
 
 
 class _Phase1(torch.autograd.Function):
-    """Phase 1 over S queries given as separate tensors: ``apply(blocks, eps, grad_into, S,
-    *queries, *norm_weights)`` returns ``(*out1, *lse)``, S ``[..., D]`` outputs and S
-    ``[...]`` log-sum-exps. Each is a tensor of its own and gets its gradient as one, so
-    neither direction stacks or unbinds ``[S, ...]`` tensors around the kernel."""
+    """Phase 1 over S queries given as separate tensors: ``apply(blocks, eps, grad_into,
+    norm_eps, S, norm_weight, *queries, *norm_weights)`` returns ``(*out1, *lse)``, S ``[...,
+    D]`` outputs and S ``[...]`` log-sum-exps. Each is a tensor of its own and gets its
+    gradient as one, so neither direction stacks or unbinds ``[S, ...]`` tensors around the
+    kernel. With ``norm_weight`` (else None) the first output is ``rms_norm(out1[0],
+    norm_weight, norm_eps)``, formed in the same pass (the first sublayer of a segment merges
+    nothing, so the norm is all it applies to its phase-1 output)."""
 
     @staticmethod
-    def forward(ctx, blocks, eps, grad_into, s, *params):
+    def forward(ctx, blocks, eps, grad_into, norm_eps, s, norm_weight, *params):
         n, dim = blocks.shape[0], blocks.shape[-1]
         batch = blocks.shape[1:-1]
         b = f32(blocks)
@@ -87,16 +91,24 @@ class _Phase1(torch.autograd.Function):
         width = lanes()
         tiles = -(-tokens // width)
         logits, rstd = b.new_empty(tiles, n, s, width), b.new_empty(tiles, n, width)
+        w = None if norm_weight is None else f32(norm_weight)
+        y = None if w is None else b.new_empty(*batch, dim)
+        rn = None if w is None else b.new_empty(tokens)
         call(
             "phase1_fwd", ptr(b), ptrs(qg[:s]), ptrs(qg[s:]), n, tokens, dim, s, eps,
-            ptrs(out1), ptrs(lse), ptr(logits), ptr(rstd), torch.get_num_threads(),
+            ptrs(out1), ptrs(lse), ptr(logits), ptr(rstd), ptr(w), norm_eps, ptr(y), ptr(rn),
+            torch.get_num_threads(),
         )  # fmt: skip
         # logits and key statistics (S / D and 1 / D of the blocks' size): the backward then
-        # reads each block row once, for its products with the output gradient
-        ctx.save_for_backward(blocks, logits, rstd, *lse, *params)
-        ctx.s = s
+        # reads each block row once, for its products with the output gradient; with the norm,
+        # its input (out1[0], as a standalone norm saves it) and reciprocal RMS
+        norm = () if w is None else (norm_weight, out1[0], rn)
+        ctx.save_for_backward(blocks, logits, rstd, *lse, *params, *norm)
+        ctx.s, ctx.normed = s, w is not None
         ctx.grad_into = grad_into if blocks.dtype == torch.float32 else None
         ctx.set_materialize_grads(False)
+        if w is not None:
+            out1[0] = cast(y, blocks.dtype)
         return (*out1, *lse)
 
     @staticmethod
@@ -104,8 +116,9 @@ class _Phase1(torch.autograd.Function):
     def backward(ctx, *grads):
         s = ctx.s
         blocks, logits, rstd, *rest = ctx.saved_tensors
-        lse, params = rest[:s], rest[s:]
-        none = (None,) * (4 + 2 * s)
+        lse, params = rest[:s], rest[s : 3 * s]
+        norm_weight, x0, rn = rest[3 * s :] if ctx.normed else (None, None, None)
+        none = (None,) * (6 + 2 * s)
         if all(g is None for g in grads):
             return none
         n, dim = blocks.shape[0], blocks.shape[-1]
@@ -115,20 +128,23 @@ class _Phase1(torch.autograd.Function):
         go = [None if g is None else f32(g) for g in grads[:s]]
         gl = [None if g is None else f32(g) for g in grads[s:]]
         need = ctx.needs_input_grad
-        need_b, need_q, need_g = need[0], any(need[4 : 4 + s]), any(need[4 + s :])
+        need_b, need_q, need_g = need[0], any(need[6 : 6 + s]), any(need[6 + s :])
         into, accumulate = ctx.grad_into() if need_b and ctx.grad_into is not None else (None, 0)
         gb = into if into is not None else torch.empty_like(b) if need_b else None
         gq = [torch.empty(dim) for _ in range(s)] if need_q else None
         gg = [torch.empty(dim) for _ in range(s)] if need_g else None
+        w = None if norm_weight is None else f32(norm_weight)
+        gw = torch.empty(dim) if w is not None and need[5] else None
         call(
             "phase1_bwd", ptr(b), ptrs(qg[:s]), ptrs(qg[s:]), ptrs(lse), ptr(logits),
             ptr(rstd), ptrs(go), ptrs(gl), n, tokens, dim, s, ptr(gb), int(accumulate),
-            ptrs(gq), ptrs(gg), torch.get_num_threads(),
+            ptrs(gq), ptrs(gg), ptr(w), ptr(rn), ptr(x0), ptr(gw), torch.get_num_threads(),
         )  # fmt: skip
         grad_b = None if gb is None or into is not None else cast(gb, blocks.dtype)
         grad_q = _in_param_dtypes(gq, params[:s])
         grad_g = _in_param_dtypes(gg, params[s:])
-        return (grad_b, None, None, None, *grad_q, *grad_g)
+        grad_w = None if gw is None else cast(gw, norm_weight.dtype)
+        return (grad_b, None, None, None, None, grad_w, *grad_q, *grad_g)
 
 
 class _Merge1(torch.autograd.Function):
@@ -247,20 +263,30 @@ def phase1_split(
     norm_weights: Sequence[Tensor],
     eps: float = 1e-6,
     grad_into: Callable[[], Tensor] | None = None,
+    first_norm: tuple[Tensor, float] | None = None,
 ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
     """:func:`phase1` with the S queries and gains as separate ``[D]`` tensors (the sublayers'
     parameters as they are) and S separate outputs ``(out1, lse)``: no ``[S, ...]`` stack of
-    either is formed, in forward or backward."""
+    either is formed, in forward or backward. ``first_norm`` (an RMSNorm's ``(weight, eps)``,
+    float32 blocks only): the first output is ``rms_norm(out1[0], weight, eps)`` instead,
+    formed by the same kernel pass."""
     s = len(queries)
     if s == 0 or not runs_here(blocks, *queries, *norm_weights):
         out1, lse = two_phase.phase1(blocks, torch.stack(queries), torch.stack(norm_weights), eps)
-        return out1.unbind(0), lse.unbind(0)
+        out1, lse = out1.unbind(0), lse.unbind(0)
+        if first_norm is not None:
+            weight, norm_eps = first_norm
+            out1 = (F.rms_norm(out1[0], (out1[0].shape[-1],), weight, norm_eps), *out1[1:])
+        return out1, lse
     if s != len(norm_weights) or any(
         t.shape != blocks.shape[-1:] for t in (*queries, *norm_weights)
     ):
         shapes = [tuple(t.shape) for t in (*queries, *norm_weights)]
         raise ValueError(f"need S >= 1 queries and S gains of shape [D], got {shapes}")
-    outputs = _Phase1.apply(blocks, eps, grad_into, s, *queries, *norm_weights)
+    weight, norm_eps = (None, 0.0) if first_norm is None else first_norm
+    if weight is not None and (weight.shape != blocks.shape[-1:] or not runs_here(weight)):
+        raise ValueError(f"first_norm: need a CPU gain of shape [D], got {tuple(weight.shape)}")
+    outputs = _Phase1.apply(blocks, eps, grad_into, norm_eps, s, weight, *queries, *norm_weights)
     return outputs[:s], outputs[s:]
 
 

@@ -1,10 +1,14 @@
 /* Phase 1's backward (see phase1_tile.h): the blocks' gradient (written, or added to a buffer
- * other readers add to) and the queries' and gains' gradients. */
+ * other readers add to) and the queries' and gains' gradients; where the forward normalised
+ * the first query's output too, that norm's backward first, per tile, into a per-thread
+ * buffer the tile then reads as the first query's output gradient. */
+#include "norm_token.h"
 #include "phase1_tile.h"
 
 /* Phase 1's backward for tokens t0 .. t0 + tt - 1 (see phase1_backward; bt and gb at the
- * tile's first token, rows rs apart; logit [n, S, VW] and r [n, VW] the tile's statistics; du
- * the thread's [PAD4(S), D]; copy as in the forward). */
+ * tile's first token, rows rs apart; Gs the output gradients at the tile's first token (NULL:
+ * zero); logit [n, S, VW] and r [n, VW] the tile's statistics; du the thread's [PAD4(S), D];
+ * copy as in the forward). */
 INLINE void phase1_tile_backward(const float *bt, int64_t rs, int n, int D, int S, const int QW,
                                  const float *u, const float *const *lses, int64_t t0, int tt,
                                  const float *logit, const float *r, const float *const *Gs,
@@ -22,7 +26,7 @@ INLINE void phase1_tile_backward(const float *bt, int64_t rs, int n, int D, int 
     /* dp_jl = <G_l, b_j> per token */
     for (int i = 0; i < VW; ++i) {
         const float *g[SQ];
-        for (int l = 0; l < SQ; ++l) g[l] = l < S && Gs[l] && i < tt ? Gs[l] + (t0 + i) * D : 0;
+        for (int l = 0; l < SQ; ++l) g[l] = l < S && Gs[l] && i < tt ? Gs[l] + i * D : 0;
         const float *x0 = bt + (int64_t)i * D;
         const int prefetch = t0 + i + PREFETCH_AHEAD < T;
         for (int j = 0; j < n; ++j) {
@@ -70,12 +74,11 @@ INLINE void phase1_tile_backward(const float *bt, int64_t rs, int n, int D, int 
     float zero[D];
     memset(zero, 0, sizeof zero);
     for (int i = 0; i < tt; ++i) {
-        const int64_t t = t0 + i;
         const float *xb = copy && any_G ? copy + (int64_t)i * n * D : bt + (int64_t)i * D;
         const int64_t xs = copy && any_G ? D : rs;
         float *gt = gb ? gb + (int64_t)i * D : 0;
         const float *g[SQ];
-        for (int l = 0; l < SQ; ++l) g[l] = l < S && Gs[l] ? Gs[l] + t * D : zero;
+        for (int l = 0; l < SQ; ++l) g[l] = l < S && Gs[l] ? Gs[l] + i * D : zero;
         const float *ci = coef + i;
         for (int l0 = 0; l0 < SQ; l0 += QW) {
             const float *u0 = u + (int64_t)l0 * D;
@@ -180,58 +183,97 @@ INLINE void phase1_tile_backward(const float *bt, int64_t rs, int n, int D, int 
 /* d b_j = sum_l p_lj G_l + sum_l draw_lj u_l - r_j^2 / D (sum_l dlogit_lj logit_lj) b_j,
  * dlogit_lj = p_lj (<G_l, b_j> - sum_j' p_lj' <G_l, b_j'> + dlse_l), draw = r_j dlogit;
  * du_l = sum_{t, j} draw_lj b_j, accumulated per thread into du_part[thread] ([PAD4(S), D]).
- * accumulate: gb += d b (a gradient buffer other reads add into) instead of gb = d b. */
+ * accumulate: gb += d b (a gradient buffer other reads add into) instead of gb = d b.
+ * norm (or NULL): the first query's output went through an RMSNorm (gain w, reciprocal RMS rn,
+ * input x0 = out1[0]) and Gs[0] is the gradient of its result: G_0 is that norm's backward,
+ * formed per tile, and the gain's gradient is added to gw_part[thread] ([D]). */
+typedef struct {
+    const float *w, *rn, *x0;
+    float *gw_part;
+} FirstNorm;
+
 static int phase1_backward(const float *b, const float *u, const float *const *lses,
                            const float *logits, const float *rstd, const float *const *Gs,
                            const float *const *glses, int n, int64_t T, int D, int S,
-                           float *gb, int accumulate, float *du_part, int threads) {
+                           float *gb, int accumulate, float *du_part, const FirstNorm *norm,
+                           int threads) {
     const int64_t rs = T * D, tiles = (T + VW - 1) / VW;
     const int64_t lstride = (int64_t)n * S * VW, rstride = (int64_t)n * VW;
     int any_G = 0;
     for (int l = 0; l < S; ++l) any_G |= Gs[l] != 0;
     const int want_copy = any_G && (int64_t)VW * n * D <= TILE_COPY_FLOATS;
+    const int normed = norm && Gs[0];
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        float *du = du_part + (int64_t)omp_get_thread_num() * PAD4(S) * D;
+        const int me = omp_get_thread_num();
+        float *du = du_part + (int64_t)me * PAD4(S) * D;
         float *copy = want_copy ? tile_copy_alloc(n, D) : 0;
-        failed = want_copy && !copy;
+        float *g0 = normed ? malloc((size_t)VW * D * sizeof(float)) : 0;
+        float *gw = normed ? norm->gw_part + (int64_t)me * D : 0;
+        failed = (want_copy && !copy) || (normed && !g0);
 #define PHASE1_BACKWARD_TILE(QW)                                                                \
-    phase1_tile_backward(b + k * VW * D, rs, n, D, S, QW, u, lses, k * VW,                      \
-                         (int)(T - k * VW < VW ? T - k * VW : VW), logits + k * lstride,         \
-                         rstd + k * rstride, Gs, glses, gb ? gb + k * VW * D : 0, accumulate,    \
-                         du, any_G, copy, T)
+    do {                                                                                        \
+        const int64_t t0 = k * VW;                                                              \
+        const int tt = TILE_TOKENS(T, k);                                                       \
+        const float *Gt[S];                                                                     \
+        for (int l = 0; l < S; ++l) Gt[l] = Gs[l] ? Gs[l] + t0 * D : 0;                         \
+        if (normed) {                                                                           \
+            for (int i = 0; i < tt; ++i)                                                        \
+                norm_token_backward(norm->x0 + (t0 + i) * D, norm->w, norm->rn[t0 + i],         \
+                                    Gt[0] + (int64_t)i * D, D, g0 + (int64_t)i * D, gw);        \
+            Gt[0] = g0;                                                                         \
+        }                                                                                       \
+        phase1_tile_backward(b + t0 * D, rs, n, D, S, QW, u, lses, t0, tt, logits + k * lstride, \
+                             rstd + k * rstride, Gt, glses, gb ? gb + t0 * D : 0, accumulate,  \
+                             du, any_G, copy, T);                                               \
+    } while (0)
+        /* every thread takes part in the loop; one whose buffer is missing skips its tiles */
         if (S <= 2) {
 #pragma omp for schedule(static)
-            for (int64_t k = 0; k < tiles; ++k) PHASE1_BACKWARD_TILE(2);
+            for (int64_t k = 0; k < tiles; ++k)
+                if (!normed || g0) PHASE1_BACKWARD_TILE(2);
         } else {
 #pragma omp for schedule(static)
-            for (int64_t k = 0; k < tiles; ++k) PHASE1_BACKWARD_TILE(4);
+            for (int64_t k = 0; k < tiles; ++k)
+                if (!normed || g0) PHASE1_BACKWARD_TILE(4);
         }
 #undef PHASE1_BACKWARD_TILE
-        free(copy);
+        free(copy), free(g0);
     }
     return failed ? -1 : 0;
 }
 
-/* gqs / ggs: S pointers each, or NULL (not needed). */
+/* gqs / ggs: S pointers each, or NULL (not needed). w (or NULL): the forward normalised the
+ * first query's output (x0 = out1[0], reciprocal RMS rn) and Gs[0] is the gradient of the
+ * normalised rows; gw (or NULL) receives the norm gain's gradient. */
 int phase1_bwd(const float *b, const float *const *qs, const float *const *gs,
                const float *const *lses, const float *logits, const float *rstd,
                const float *const *Gs, const float *const *glses, int n, int64_t T, int D, int S,
-               float *gb, int accumulate, float *const *gqs, float *const *ggs, int threads) {
-    BackwardWork w = {0, 0};
+               float *gb, int accumulate, float *const *gqs, float *const *ggs, const float *w,
+               const float *rn, const float *x0, float *gw, int threads) {
+    BackwardWork work = {0, 0};
     float *q = gather_rows(qs, S, D), *g = gather_rows(gs, S, D);
     float *gq = gqs ? malloc((size_t)S * D * sizeof(float)) : 0;
     float *gg = ggs ? malloc((size_t)S * D * sizeof(float)) : 0;
-    int ok = q && g && (gq || !gqs) && (gg || !ggs) && work_alloc(&w, q, g, S, PAD4(S), D, threads);
+    float *gw_part = w ? calloc((size_t)threads * D, sizeof(float)) : 0;
+    FirstNorm norm = {w, rn, x0, gw_part};
+    int ok = q && g && (gq || !gqs) && (gg || !ggs) && (gw_part || !w) &&
+             work_alloc(&work, q, g, S, PAD4(S), D, threads);
     if (ok)
-        ok = phase1_backward(b, w.u, lses, logits, rstd, Gs, glses, n, T, D, S, gb, accumulate,
-                             w.du, threads) == 0;
-    ok = work_finish(&w, ok, threads, S, PAD4(S), D, q, g, gq, gg) == 0;
+        ok = phase1_backward(b, work.u, lses, logits, rstd, Gs, glses, n, T, D, S, gb, accumulate,
+                             work.du, w ? &norm : 0, threads) == 0;
+    if (ok && w) {
+        if (gw && Gs[0])
+            sum_parts(gw_part, threads, D, gw);
+        else if (gw)
+            memset(gw, 0, (size_t)D * sizeof(float));
+    }
+    ok = work_finish(&work, ok, threads, S, PAD4(S), D, q, g, gq, gg) == 0;
     for (int l = 0; ok && l < S; ++l) {
         if (gqs) memcpy(gqs[l], gq + (int64_t)l * D, (size_t)D * sizeof(float));
         if (ggs) memcpy(ggs[l], gg + (int64_t)l * D, (size_t)D * sizeof(float));
     }
-    free(q), free(g), free(gq), free(gg);
+    free(q), free(g), free(gq), free(gg), free(gw_part);
     return ok ? 0 : -1;
 }

@@ -1,5 +1,8 @@
 /* Phase 1's forward (see phase1_tile.h): out1 and lse per query, and the tiles' logits and
- * key statistics the backward reads. */
+ * key statistics the backward reads; optionally the first query's out1 normalised by the
+ * sublayer's RMSNorm as well (norm_token.h, the standalone kernel's arithmetic), while the
+ * tile's rows are still in L1. */
+#include "norm_token.h"
 #include "phase1_tile.h"
 
 /* Phase 1's forward for tokens t0 .. t0 + tt - 1: bt the tile's first token's first row (rows
@@ -119,10 +122,13 @@ INLINE void phase1_tile_forward(const float *bt, int64_t rs, int n, int D, int S
     }
 }
 
-/* Writes out1, lse and, for the backward, the tiles' logits and key statistics. */
+/* Writes out1, lse and, for the backward, the tiles' logits and key statistics; with w (the
+ * first query's sublayer RMSNorm gain, or NULL) also y = norm(out1[0]) and rn ([T]), the
+ * norm's reciprocal RMS. */
 static int phase1_forward(const float *b, const float *u, int n, int64_t T, int D, int S,
                           float eps, float *const *outs, float *const *lses, float *logits,
-                          float *rstd, int threads) {
+                          float *rstd, const float *w, float norm_eps, float *y, float *rn,
+                          int threads) {
     const int64_t rs = T * D, tiles = (T + VW - 1) / VW;
     const int64_t lstride = (int64_t)n * S * VW, rstride = (int64_t)n * VW;
     const int want_copy = (int64_t)VW * n * D <= TILE_COPY_FLOATS;
@@ -132,9 +138,13 @@ static int phase1_forward(const float *b, const float *u, int n, int64_t T, int 
         float *copy = want_copy ? tile_copy_alloc(n, D) : 0;
         failed = want_copy && !copy;
 #define PHASE1_FORWARD_TILE(QW)                                                                 \
-    phase1_tile_forward(b + k * VW * D, rs, n, D, S, QW, u, eps, outs, lses, k * VW,            \
-                        (int)(T - k * VW < VW ? T - k * VW : VW), logits + k * lstride,          \
-                        rstd + k * rstride, copy, T)
+    do {                                                                                        \
+        const int tt = TILE_TOKENS(T, k);                                                       \
+        phase1_tile_forward(b + k * VW * D, rs, n, D, S, QW, u, eps, outs, lses, k * VW, tt,    \
+                            logits + k * lstride, rstd + k * rstride, copy, T);                 \
+        for (int64_t t = k * VW; w && t < k * VW + tt; ++t)                                     \
+            rn[t] = norm_token_forward(outs[0] + t * D, w, D, norm_eps, y + t * D);             \
+    } while (0)
         if (S <= 2) {
 #pragma omp for schedule(static)
             for (int64_t k = 0; k < tiles; ++k) PHASE1_FORWARD_TILE(2);
@@ -156,11 +166,13 @@ int phase1_lanes(void) { return VW; }
  * Returns 0, or -1 when the small work buffers cannot be allocated. */
 int phase1_fwd(const float *b, const float *const *qs, const float *const *gs, int n, int64_t T,
                int D, int S, float eps, float *const *outs, float *const *lses, float *logits,
-               float *rstd, int threads) {
+               float *rstd, const float *w, float norm_eps, float *y, float *rn, int threads) {
     float *q = gather_rows(qs, S, D), *g = gather_rows(gs, S, D);
     float *u = q && g ? products(q, g, S, PAD4(S), D) : 0;
     const int rc =
-        u ? phase1_forward(b, u, n, T, D, S, eps, outs, lses, logits, rstd, threads) : -1;
+        u ? phase1_forward(b, u, n, T, D, S, eps, outs, lses, logits, rstd, w, norm_eps, y, rn,
+                           threads)
+          : -1;
     free(q), free(g), free(u);
     return rc;
 }
