@@ -99,7 +99,9 @@ class AttnResLayer(torch.nn.Module):
                 state = self.segments[sublayer].begin(state)  # phase 1 at the segment's start
                 out1, lse, extra, into = merge_inputs(state, sublayer, mixer.grad_into)
                 inputs = (out1, lse, extra, state.store.dtype, into)
-                if self.recompute == "attnres" and torch.is_grad_enabled():
+                if state.phase1.first_normed and sublayer == state.phase1.first:
+                    normed = out1  # phase 1 applied this sublayer's norm
+                elif self.recompute == "attnres" and torch.is_grad_enabled():
                     normed = checkpoint(lambda *a: mixer.merge_norm(norm, *a), *inputs)
                 else:
                     normed = mixer.merge_norm(norm, *inputs)
@@ -114,11 +116,10 @@ class AttnResLayer(torch.nn.Module):
             self.probe.sublayer(self, sublayer, state, out)
         if self.plan.mode == "baseline":
             return DepthState(None, x + out, state.layers_done, state.layout)
+        if self.plan.closes_block(sublayer):  # the sum written straight into the store
+            return state.close_block(self.store_capacity, out)
         partial = out if state.partial is None else state.partial + out
-        state = replace(state, partial=partial)
-        if self.plan.closes_block(sublayer):
-            state = state.close_block(self.store_capacity)
-        return state
+        return replace(state, partial=partial)
 
     def apply_layer(self, state: DepthState) -> DepthState:
         if state.layers_done != self.layer_index:

@@ -125,6 +125,20 @@ class Segment:
     first: int
     mixers: list[DepthMixer]
     rows: int  # completed blocks at the start of the block (Full: group) it belongs to
+    # the first sublayer's RMSNorm where phase 1 may apply it too (``fuses_first_norm``)
+    first_norm: CpuRMSNorm | None = None
+
+    def fuses_first_norm(self, state: DepthState) -> bool:
+        """Whether phase 1 hands the first sublayer its normalised input: it merges nothing
+        (the block, or Full group, starts here: nothing closed since ``rows`` and no partial
+        block), its norm is the C kernel's, and the kernel takes float32 blocks."""
+        return (
+            self.first_norm is not None
+            and state.partial is None
+            and state.num_completed == self.rows
+            and state.store.dtype == torch.float32
+            and self.mixers[0]._op.phase1_split is not None
+        )
 
     def begin(self, state: DepthState) -> DepthState:
         """The state with this segment's phase-1 results (computed at its first sublayer)."""
@@ -145,9 +159,12 @@ class Segment:
             if op.grad_into and _holds(state)
             else {}
         )
+        normed = self.fuses_first_norm(state)
         if op.phase1_split is not None:  # the parameters and slices as they are
             queries = [m.query for m in self.mixers]
             gains = [m.key_norm_weight for m in self.mixers]
+            if normed:
+                into["first_norm"] = (self.first_norm.weight, self.first_norm.eps)
             out1, lse = op.phase1_split(store, queries, gains, eps=eps, **into)
         else:
             queries = _StackParameters.apply(*(m.query for m in self.mixers))
@@ -156,7 +173,8 @@ class Segment:
             # unbind once: one backward node stacks the S gradients, where S separate index
             # ops would each fill a zero tensor of the whole [S, ...] and add it up
             out1, lse = out1.unbind(0), lse.unbind(0)
-        return replace(state, phase1=Phase1Cache(self.first, self.rows, out1, lse))
+        cache = Phase1Cache(self.first, self.rows, out1, lse, first_normed=normed)
+        return replace(state, phase1=cache)
 
 
 def merge_inputs(state: DepthState, sublayer: int, grad_into: bool = False):
@@ -216,7 +234,13 @@ def configure_segments(layers: list, plan: BlockPlan, final=None) -> None:
             start = (sublayer - 1) // group * group + 1  # the block's (group's) first sublayer
             key = (recompute_group, start)
             rows = plan.state_after(start - 1)[0]
-            segment = segments.setdefault(key, Segment(sublayer, [], rows))
+            segment = segments.get(key)
+            if segment is None:  # the segment's first local sublayer
+                norms = layer.layer.input_layernorm, layer.layer.pre_mlp_layernorm
+                norm = norms[0] if sublayer % 2 else norms[1]
+                # under attnres recompute the norm belongs to the recomputed region
+                fusable = isinstance(norm, CpuRMSNorm) and layer.recompute != "attnres"
+                segment = segments[key] = Segment(sublayer, [], rows, norm if fusable else None)
             segment.mixers.append(mixer)
             layer.segments[sublayer] = segment
     if final is not None:

@@ -44,6 +44,13 @@ def _alias(buffer: torch.Tensor, rows: int) -> torch.Tensor:
     return out.set_(buffer.untyped_storage(), 0, (rows, *buffer.shape[1:]), buffer.stride())
 
 
+def _alias_row(buffer: torch.Tensor, row: int) -> torch.Tensor:
+    """Row ``row`` of ``buffer`` as a fresh tensor (not a view, own version counter)."""
+    out = torch.empty(0, dtype=buffer.dtype, device=buffer.device)
+    offset = buffer.storage_offset() + row * buffer.stride(0)
+    return out.set_(buffer.untyped_storage(), offset, buffer.shape[1:], buffer.stride()[1:])
+
+
 def _is_prefix_of(store: torch.Tensor, buffer: torch.Tensor) -> bool:
     return (
         store.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
@@ -98,6 +105,11 @@ class StoreBuffer:
         self._set(lo, hi)
         return self._grad[lo:hi], True
 
+    def add_grad_row(self, row: int, grad: torch.Tensor) -> None:
+        """Add ``grad`` to row ``row``'s gradient (write it where the row holds none yet)."""
+        rows, accumulate = self.grad_rows(row, row + 1)
+        rows[0].add_(grad) if accumulate else rows[0].copy_(grad)
+
     def add_grad(self, grad: torch.Tensor) -> None:
         """Add ``grad`` (a gradient of the first ``len(grad)`` rows that reached a store through
         autograd) to the rows' gradient, writing the rows that hold none yet."""
@@ -127,33 +139,43 @@ class StoreBuffer:
 
 
 class _Append(torch.autograd.Function):
-    """``cat([store, row[None]])`` written into ``buffer`` in place, returned as an alias."""
+    """``cat([store, (row + addend)[None]])`` written into ``buffer`` in place, returned as an
+    alias, and the new row as one too (the closed block, for a phase 2 that merges it).
+    ``addend`` (or None) is added on the way: closing a Block block writes ``partial + out``
+    straight into its row, where the sum would be formed, then copied (one pass and one autograd
+    node fewer per block)."""
 
     @staticmethod
-    def forward(ctx, store, row, buffer: StoreBuffer):
+    def forward(ctx, store, row, buffer: StoreBuffer, addend=None):
         c = store.shape[0]
         ctx.copied = not buffer.holds(store)
         if ctx.copied:
             buffer.data[:c].copy_(store)
-        buffer.data[c].copy_(row)
+        if addend is None:
+            buffer.data[c].copy_(row)
+        else:
+            torch.add(row, addend, out=buffer.data[c])
         ctx.rows, ctx.buffer = c, buffer
         ctx.set_materialize_grads(False)
-        return _alias(buffer.data, c + 1)
+        return _alias(buffer.data, c + 1), _alias_row(buffer.data, c)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, grad_row=None):
         c = ctx.rows
         if grad is not None:  # readers that returned their gradient through autograd
             ctx.buffer.add_grad(grad)
+        if grad_row is not None:
+            ctx.buffer.add_grad_row(c, grad_row)
         # every reader of row c read a store this append made (or a later one), so they have
         # all run; rows < c of an aliased store may still get gradient from readers of the
         # store this one grew (they gather in the buffer until the append that wrote them),
         # so only row c is read here: filling the others would zero rows a later reader
         # writes in full. A copied store's readers of this store's rows ran already.
         if not ctx.copied:
-            return None, ctx.buffer.grad_row(c), None
+            row = ctx.buffer.grad_row(c)
+            return None, row, None, row if ctx.needs_input_grad[3] else None
         acc = ctx.buffer.grad(c + 1)
-        return acc[:c], acc[c], None
+        return acc[:c], acc[c], None, acc[c] if ctx.needs_input_grad[3] else None
 
 
 class _Adopt(torch.autograd.Function):
@@ -200,6 +222,8 @@ class Phase1Cache:
     # that were appended: phase 2 reads them without slicing the store, whose slice would
     # backpropagate a zero-filled gradient of the whole store per sublayer
     closed: tuple[torch.Tensor, ...] = ()
+    # out1[0] is the first sublayer's normalised input (phase 1 applied its RMSNorm)
+    first_normed: bool = False
 
 
 @dataclass(frozen=True)
@@ -244,28 +268,41 @@ class DepthState:
         out = () if self.store is None else (self.store,)
         return out if self.partial is None else (*out, self.partial)
 
-    def append(self, row: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(store with ``row`` appended, the buffer holding it); grows into ``self.buffer``."""
+    def append(
+        self, row: torch.Tensor, capacity: int, addend: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, StoreBuffer | None]:
+        """(store with ``row`` (+ ``addend``) appended, that row as the store holds it, the
+        buffer holding them); grows into ``self.buffer``."""
         c = self.num_completed
         buffer = self.buffer
         if self.store is None:
-            return row.unsqueeze(0), None
+            row = row if addend is None else row + addend
+            return row.unsqueeze(0), row, None
+        dtype = self.store.dtype
+        if addend is not None and (row.dtype != dtype or addend.dtype != dtype):
+            row, addend = row + addend, None  # the sum in the sources' precision, then cast
         if buffer is None or buffer.capacity <= c or not buffer.holds(self.store):
             buffer = StoreBuffer(
                 torch.empty(
                     (max(capacity, c + 1), *self.store.shape[1:]),
-                    dtype=self.store.dtype,
+                    dtype=dtype,
                     device=self.store.device,
                 )
             )
-        return _Append.apply(self.store, row.to(self.store.dtype), buffer), buffer
+        store, row = _Append.apply(self.store, row.to(dtype), buffer, addend)
+        return store, row, buffer
 
-    def close_block(self, capacity: int) -> DepthState:
-        """The partial block appended to the store; no partial block after it."""
-        store, buffer = self.append(self.partial, capacity)
+    def close_block(self, capacity: int, out: torch.Tensor | None = None) -> DepthState:
+        """The partial block (``+ out``, a sublayer's output not yet added to it) appended to
+        the store; no partial block after it."""
+        if out is not None and self.partial is None:
+            partial, out = out, None
+        else:
+            partial = self.partial
+        store, row, buffer = self.append(partial, capacity, addend=out)
         phase1 = self.phase1
         if phase1 is not None:
-            phase1 = replace(phase1, closed=(*phase1.closed, self.partial.to(store.dtype)))
+            phase1 = replace(phase1, closed=(*phase1.closed, row))
         return replace(self, store=store, partial=None, buffer=buffer, phase1=phase1)
 
     def payload(self) -> torch.Tensor:
