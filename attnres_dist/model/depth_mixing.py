@@ -131,13 +131,13 @@ class Segment:
     def fuses_first_norm(self, state: DepthState) -> bool:
         """Whether phase 1 hands the first sublayer its normalised input: it merges nothing
         (the block, or Full group, starts here: nothing closed since ``rows`` and no partial
-        block), its norm is the C kernel's, and the kernel takes float32 blocks."""
+        block), and the kernel takes float32 blocks (``first_norm`` is set only where the
+        norm is the C kernel's and the implementation has ``phase1_split``)."""
         return (
             self.first_norm is not None
             and state.partial is None
             and state.num_completed == self.rows
             and state.store.dtype == torch.float32
-            and self.mixers[0]._op.phase1_split is not None
         )
 
     def begin(self, state: DepthState) -> DepthState:
@@ -239,7 +239,11 @@ def configure_segments(layers: list, plan: BlockPlan, final=None) -> None:
                 norms = layer.layer.input_layernorm, layer.layer.pre_mlp_layernorm
                 norm = norms[0] if sublayer % 2 else norms[1]
                 # under attnres recompute the norm belongs to the recomputed region
-                fusable = isinstance(norm, CpuRMSNorm) and layer.recompute != "attnres"
+                fusable = (
+                    isinstance(norm, CpuRMSNorm)
+                    and layer.recompute != "attnres"
+                    and mixer._op.phase1_split is not None
+                )
                 segment = segments[key] = Segment(sublayer, [], rows, norm if fusable else None)
             segment.mixers.append(mixer)
             layer.segments[sublayer] = segment

@@ -105,15 +105,10 @@ class StoreBuffer:
         self._set(lo, hi)
         return self._grad[lo:hi], True
 
-    def add_grad_row(self, row: int, grad: torch.Tensor) -> None:
-        """Add ``grad`` to row ``row``'s gradient (write it where the row holds none yet)."""
-        rows, accumulate = self.grad_rows(row, row + 1)
-        rows[0].add_(grad) if accumulate else rows[0].copy_(grad)
-
-    def add_grad(self, grad: torch.Tensor) -> None:
-        """Add ``grad`` (a gradient of the first ``len(grad)`` rows that reached a store through
+    def add_grad(self, grad: torch.Tensor, start: int = 0) -> None:
+        """Add ``grad`` (a gradient of rows ``start ..`` that reached a store or a row through
         autograd) to the rows' gradient, writing the rows that hold none yet."""
-        rows, accumulate = self.grad_rows(0, grad.shape[0])
+        rows, accumulate = self.grad_rows(start, start + grad.shape[0])
         rows.add_(grad) if accumulate else rows.copy_(grad)
 
     def _allocate(self) -> None:
@@ -165,7 +160,7 @@ class _Append(torch.autograd.Function):
         if grad is not None:  # readers that returned their gradient through autograd
             ctx.buffer.add_grad(grad)
         if grad_row is not None:
-            ctx.buffer.add_grad_row(c, grad_row)
+            ctx.buffer.add_grad(grad_row.unsqueeze(0), c)
         # every reader of row c read a store this append made (or a later one), so they have
         # all run; rows < c of an aliased store may still get gradient from readers of the
         # store this one grew (they gather in the buffer until the append that wrote them),

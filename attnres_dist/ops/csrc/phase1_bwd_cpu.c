@@ -263,12 +263,7 @@ int phase1_bwd(const float *b, const float *const *qs, const float *const *gs,
     if (ok)
         ok = phase1_backward(b, work.u, lses, logits, rstd, Gs, glses, n, T, D, S, gb, accumulate,
                              work.du, w ? &norm : 0, threads) == 0;
-    if (ok && w) {
-        if (gw && Gs[0])
-            sum_parts(gw_part, threads, D, gw);
-        else if (gw)
-            memset(gw, 0, (size_t)D * sizeof(float));
-    }
+    if (ok && w) sum_parts(gw_part, threads, D, gw); /* zeros where Gs[0] is NULL */
     ok = work_finish(&work, ok, threads, S, PAD4(S), D, q, g, gq, gg) == 0;
     for (int l = 0; ok && l < S; ++l) {
         if (gqs) memcpy(gqs[l], gq + (int64_t)l * D, (size_t)D * sizeof(float));
