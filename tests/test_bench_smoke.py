@@ -70,12 +70,19 @@ def test_pipeline_bench_smoke(small_dataset, tmp_path):
     )
     for variant in result["variants"].values():
         assert all(m["peak_bytes"] > 0 for m in variant["memory"])
+    # one repetition: a ratio, but no interval around it; the slowest stage's compute instead
+    assert result["step_time_block_over_baseline_interval"] is None
+    stages = result["variants"]["baseline"]["stages"]
+    slowest = max(stages, key=lambda r: r["forward_ms"] + r["backward_ms"])["stage"]
+    assert result["bottleneck_stage"] == slowest
 
     depth = depth_attention_bench.run(tmp_path, n=3, tokens=64, dim=16, reps=1, warmup=0)
     model = model_smoke(tmp_path)
     summary = summary_markdown(depth, result, model=model)
     assert "packed / tuple payload" in summary and "Block AttnRes / baseline" in summary
     assert "All equal the prediction." in summary
+    assert "too few repetitions for an interval" in summary
+    assert f"stage {slowest} compute per micro-batch, Block AttnRes / baseline" in summary
     assert "vs a plain-PyTorch GPT" in summary and "Peak memory per pipeline stage" in summary
 
 

@@ -34,7 +34,11 @@ import statistics
 from pathlib import Path
 
 from attnres_dist.bench import launch_job as job
-from attnres_dist.bench.paired import median_ratio, paired_ratio
+from attnres_dist.bench.paired import median_ratio, paired_interval, paired_ratio
+
+# Repetitions: the per-repetition ratio of Block to baseline varies by about 5% on a shared
+# 2-core host (two ranks, one thread each), so 15 left the paired median uncertain by +-3%.
+REPS = 30
 
 VARIANTS = {  # name: (residual mode, payload, path)
     "block_packed": ("block", "packed", "new"),
@@ -49,7 +53,7 @@ def run(
     out_dir: str | Path,
     config: str | Path = job.TINY_CONFIG,
     overrides: tuple[str, ...] = (),
-    reps: int = 15,
+    reps: int = REPS,
     warmup: int = 2,
     old_impl: str = "lean",
     new_impl: str | None = None,
@@ -66,8 +70,13 @@ def run(
         "step_time_block_over_baseline_old": ("block_old", "baseline_old"),
         "step_time_block_new_over_old": ("block_packed", "block_old"),
     }
+    block, base = steps["block_packed"], steps["baseline"]
     result = raw | {
         "ratios_of_medians": {k: median_ratio(steps[a], steps[b]) for k, (a, b) in pairs.items()},
+        # how far the pp = 2 step ratio can be trusted (None with too few repetitions), and
+        # the same comparison without the waits: the slowest stage's compute per micro-batch
+        "step_time_block_over_baseline_interval": paired_interval(block, base),
+        "bottleneck_stage": _bottleneck_stage(raw, "baseline"),
         "ratios": {
             # step times paired per repetition (attnres_dist.bench.paired)
             **{k: paired_ratio(steps[a], steps[b]) for k, (a, b) in pairs.items()},
@@ -79,6 +88,10 @@ def run(
             },
             "stage0_backward_packed_over_tuple": _stage_ms(raw, "block_packed", 0, "backward")
             / _stage_ms(raw, "block_tuple", 0, "backward"),
+            "bottleneck_stage_compute_block_over_baseline": _compute_per_micro_batch(
+                raw, "block_packed", _bottleneck_stage(raw, "baseline")
+            )
+            / _compute_per_micro_batch(raw, "baseline", _bottleneck_stage(raw, "baseline")),
         },
         "wire_bytes_equal_prediction": all(
             row["equal"] for v in raw["variants"].values() for row in v["wire"]
@@ -92,6 +105,18 @@ def _peaks(raw: dict, variant: str) -> list[int]:
     """Peak bytes per stage, in stage order."""
     rows = sorted(raw["variants"][variant]["memory"], key=lambda r: r["stage"])
     return [r["peak_bytes"] for r in rows]
+
+
+def _compute_per_micro_batch(raw: dict, variant: str, stage: int) -> float:
+    """A stage's forward + backward milliseconds per micro-batch (medians)."""
+    return sum(_stage_ms(raw, variant, stage, kind) for kind in ("forward", "backward"))
+
+
+def _bottleneck_stage(raw: dict, variant: str) -> int:
+    """The stage with the most compute per micro-batch: in the steady state of the schedule
+    the others wait for it, so it sets the step."""
+    stages = sorted(r["stage"] for r in raw["variants"][variant]["stages"])
+    return max(stages, key=lambda stage: _compute_per_micro_batch(raw, variant, stage))
 
 
 def _stage_ms(raw: dict, variant: str, stage: int, kind: str) -> float:
@@ -258,7 +283,7 @@ def _wire_rows(specs, transfers: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = job.parser(__doc__, reps=15)
+    parser = job.parser(__doc__, reps=REPS)
     parser.add_argument("--old-impl", default="lean")
     parser.add_argument("--new-impl", default=None)
     job.main(

@@ -38,6 +38,15 @@ def _stage_ms(variants: dict, name: str, stage: int, kind: str = "backward") -> 
     return f"{rows[0][f'{kind}_ms']:.1f}"
 
 
+def _interval_text(pipe: dict) -> str:
+    """The paired ratio's confidence interval, as the summary's words for it."""
+    interval = pipe.get("step_time_block_over_baseline_interval")
+    if interval is None:
+        return " (too few repetitions for an interval)"
+    low, high, coverage = interval
+    return f"; {coverage:.0%} within [{low:.3f}, {high:.3f}]"
+
+
 def _two_phase_rows(depth: dict) -> list[str]:
     dc, rows = depth["config"], []
     for size, block in depth.get("two_phase", {}).items():
@@ -251,7 +260,10 @@ def summary_markdown(
         f"{_stage_ms(v, 'block_packed', 0)} ms vs {_stage_ms(v, 'block_tuple', 0)} ms |",
         f"| pipeline step time, Block AttnRes / baseline | "
         f"{p['step_time_block_over_baseline']:.3f} | pp = 2, new path: {ms['block_packed']:.1f} "
-        f"ms vs {ms['baseline']:.1f} ms |",
+        f"ms vs {ms['baseline']:.1f} ms{_interval_text(pipe)} |",
+        f"| stage {pipe['bottleneck_stage']} compute per micro-batch, Block AttnRes / baseline "
+        f"| {p['bottleneck_stage_compute_block_over_baseline']:.3f} | pp = 2, new path: the "
+        f"slowest stage's forward + backward, without the waits |",
         f"| pipeline step time, Block AttnRes / baseline, old path | "
         f"{p['step_time_block_over_baseline_old']:.3f} | pp = 2: {ms['block_old']:.1f} ms vs "
         f"{ms['baseline_old']:.1f} ms |",

@@ -148,7 +148,7 @@ def ptrs(tensors) -> ctypes.Array | None:
 def runs_here(*tensors: Tensor) -> bool:
     """Whether the kernels take these tensors: on the CPU and not float64 (the callers fall back
     to torch otherwise)."""
-    return all(t.device.type == "cpu" and t.dtype != torch.float64 for t in tensors)
+    return all(t.is_cpu and t.dtype != torch.float64 for t in tensors)
 
 
 def f32(t: Tensor) -> Tensor:
