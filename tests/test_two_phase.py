@@ -123,7 +123,8 @@ SPLIT = [name for name in TWO_PHASE if get_depth_attention(name).phase1_split is
 
 
 @pytest.mark.parametrize("impl", SPLIT)
-@pytest.mark.parametrize("n, s, dim", [(1, 1, 16), (3, 2, 13), (9, 4, 16), (5, 8, 72)])
+# S = 1, 2; 3; 4, 8: the C kernels take queries 2, 3 or 4 at a time
+@pytest.mark.parametrize("n, s, dim", [(1, 1, 16), (3, 2, 13), (4, 3, 21), (9, 4, 16), (5, 8, 72)])
 @pytest.mark.parametrize("used", ["all", "some"])
 @pytest.mark.parametrize("tokens", [(5, 2), (37, 1)], ids=["10", "37"])
 @pytest.mark.parametrize("first_norm", [False, True], ids=["", "first_norm"])

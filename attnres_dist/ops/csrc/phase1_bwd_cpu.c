@@ -91,22 +91,24 @@ INLINE void phase1_tile_backward(const float *bt, int64_t rs, int n, int D, int 
                 const vf none = {0};
                 const int h = d + VW;
                 const vf g0 = vload(g[l0] + d), g1 = vload(g[l0 + 1] + d);
-                const vf g2 = vload(g[l0 + 2] + d), g3 = vload(g[l0 + 3] + d);
+                const vf g2 = vload(g[l0 + 2] + d), G2 = vload(g[l0 + 2] + h);
+                const vf g3 = QW > 3 ? vload(g[l0 + 3] + d) : none;
                 const vf G0 = vload(g[l0] + h), G1 = vload(g[l0 + 1] + h);
-                const vf G2 = vload(g[l0 + 2] + h), G3 = vload(g[l0 + 3] + h);
-                const vf w0 = vload(u0 + d), w1 = vload(u0 + D + d);
-                const vf w2 = vload(u0 + 2 * D + d), w3 = vload(u0 + 3 * D + d);
-                const vf W0 = vload(u0 + h), W1 = vload(u0 + D + h);
-                const vf W2 = vload(u0 + 2 * D + h), W3 = vload(u0 + 3 * D + h);
+                const vf G3 = QW > 3 ? vload(g[l0 + 3] + h) : none;
+                const vf w0 = vload(u0 + d), w1 = vload(u0 + D + d), w2 = vload(u0 + 2 * D + d);
+                const vf w3 = QW > 3 ? vload(u0 + 3 * D + d) : none;
+                const vf W0 = vload(u0 + h), W1 = vload(u0 + D + h), W2 = vload(u0 + 2 * D + h);
+                const vf W3 = QW > 3 ? vload(u0 + 3 * D + h) : none;
                 vf e0 = {0}, e1 = {0}, e2 = {0}, e3 = {0}, E0 = {0}, E1 = {0}, E2 = {0}, E3 = {0};
                 for (int j = 0; j < n; ++j) {
                     const vf xv = vload(xb + j * xs + d), xh = vload(xb + j * xs + h);
                     const float *pj = pl + j * SQ * VW, *aj = al + j * SQ * VW;
-                    const float a0 = aj[0], a1 = aj[VW], a2 = aj[2 * VW], a3 = aj[3 * VW];
+                    const float a0 = aj[0], a1 = aj[VW], a2 = aj[2 * VW];
+                    const float a3 = QW > 3 ? aj[3 * VW] : 0.f, p3 = QW > 3 ? pj[3 * VW] : 0.f;
                     e0 += a0 * xv, E0 += a0 * xh;
                     e1 += a1 * xv, E1 += a1 * xh;
                     e2 += a2 * xv, E2 += a2 * xh;
-                    e3 += a3 * xv, E3 += a3 * xh;
+                    if (QW > 3) e3 += a3 * xv, E3 += a3 * xh;
                     if (!gt) continue;
                     float *y = gt + j * rs + d, *yh = y + VW;
                     const float cj = first ? ci[j * VW] : 0.f;
@@ -116,7 +118,7 @@ INLINE void phase1_tile_backward(const float *bt, int64_t rs, int n, int D, int 
                     acc += pj[0] * g0 + a0 * w0, ach += pj[0] * G0 + a0 * W0;
                     acc += pj[VW] * g1 + a1 * w1, ach += pj[VW] * G1 + a1 * W1;
                     acc += pj[2 * VW] * g2 + a2 * w2, ach += pj[2 * VW] * G2 + a2 * W2;
-                    acc += pj[3 * VW] * g3 + a3 * w3, ach += pj[3 * VW] * G3 + a3 * W3;
+                    if (QW > 3) acc += p3 * g3 + a3 * w3, ach += p3 * G3 + a3 * W3;
                     vstore(y, acc), vstore(yh, ach);
                 }
                 float *z = du0 + d;
@@ -124,43 +126,38 @@ INLINE void phase1_tile_backward(const float *bt, int64_t rs, int n, int D, int 
                 vstore(z + D, vload(z + D) + e1), vstore(z + D + VW, vload(z + D + VW) + E1);
                 z += 2 * D;
                 vstore(z, vload(z) + e2), vstore(z + VW, vload(z + VW) + E2);
-                vstore(z + D, vload(z + D) + e3), vstore(z + D + VW, vload(z + D + VW) + E3);
+                if (QW > 3)
+                    vstore(z + D, vload(z + D) + e3), vstore(z + D + VW, vload(z + D + VW) + E3);
             }
             for (; d + VW <= D; d += VW) {
                 const vf none = {0};
                 const vf g0 = vload(g[l0] + d), g1 = vload(g[l0 + 1] + d);
                 const vf g2 = QW > 2 ? vload(g[l0 + 2] + d) : none;
-                const vf g3 = QW > 2 ? vload(g[l0 + 3] + d) : none;
+                const vf g3 = QW > 3 ? vload(g[l0 + 3] + d) : none;
                 const vf w0 = vload(u0 + d), w1 = vload(u0 + D + d);
                 const vf w2 = QW > 2 ? vload(u0 + 2 * D + d) : none;
-                const vf w3 = QW > 2 ? vload(u0 + 3 * D + d) : none;
+                const vf w3 = QW > 3 ? vload(u0 + 3 * D + d) : none;
                 vf e0 = {0}, e1 = {0}, e2 = {0}, e3 = {0};
                 for (int j = 0; j < n; ++j) {
                     const vf xv = vload(xb + j * xs + d);
                     const float *pj = pl + j * SQ * VW, *aj = al + j * SQ * VW;
                     e0 += aj[0] * xv;
                     e1 += aj[VW] * xv;
-                    if (QW > 2) {
-                        e2 += aj[2 * VW] * xv;
-                        e3 += aj[3 * VW] * xv;
-                    }
+                    if (QW > 2) e2 += aj[2 * VW] * xv;
+                    if (QW > 3) e3 += aj[3 * VW] * xv;
                     if (!gt) continue;
                     float *y = gt + j * rs + d;
                     vf acc = first ? (accumulate ? vload(y) : none) + ci[j * VW] * xv : vload(y);
                     acc += pj[0] * g0 + aj[0] * w0;
                     acc += pj[VW] * g1 + aj[VW] * w1;
-                    if (QW > 2) {
-                        acc += pj[2 * VW] * g2 + aj[2 * VW] * w2;
-                        acc += pj[3 * VW] * g3 + aj[3 * VW] * w3;
-                    }
+                    if (QW > 2) acc += pj[2 * VW] * g2 + aj[2 * VW] * w2;
+                    if (QW > 3) acc += pj[3 * VW] * g3 + aj[3 * VW] * w3;
                     vstore(y, acc);
                 }
                 vstore(du0 + d, vload(du0 + d) + e0);
                 vstore(du0 + D + d, vload(du0 + D + d) + e1);
-                if (QW > 2) {
-                    vstore(du0 + 2 * D + d, vload(du0 + 2 * D + d) + e2);
-                    vstore(du0 + 3 * D + d, vload(du0 + 3 * D + d) + e3);
-                }
+                if (QW > 2) vstore(du0 + 2 * D + d, vload(du0 + 2 * D + d) + e2);
+                if (QW > 3) vstore(du0 + 3 * D + d, vload(du0 + 3 * D + d) + e3);
             }
             for (; d < D; ++d)
                 for (int j = 0; j < n; ++j) {
@@ -233,6 +230,10 @@ static int phase1_backward(const float *b, const float *u, const float *const *l
 #pragma omp for schedule(static)
             for (int64_t k = 0; k < tiles; ++k)
                 if (!normed || g0) PHASE1_BACKWARD_TILE(2);
+        } else if (S == 3) {
+#pragma omp for schedule(static)
+            for (int64_t k = 0; k < tiles; ++k)
+                if (!normed || g0) PHASE1_BACKWARD_TILE(3);
         } else {
 #pragma omp for schedule(static)
             for (int64_t k = 0; k < tiles; ++k)

@@ -70,7 +70,7 @@ INLINE void phase1_tile_forward(const float *bt, int64_t rs, int n, int D, int S
         for (int l0 = 0; l0 < S; l0 += QW) {
             float *o0 = outs[l0] + t * D, *o1 = l0 + 1 < S ? outs[l0 + 1] + t * D : 0;
             float *o2 = QW > 2 && l0 + 2 < S ? outs[l0 + 2] + t * D : 0;
-            float *o3 = QW > 2 && l0 + 3 < S ? outs[l0 + 3] + t * D : 0;
+            float *o3 = QW > 3 && l0 + 3 < S ? outs[l0 + 3] + t * D : 0;
             const float *pl = p + l0 * VW + i; /* query l0 + k of row j at pl[(j SQ + k) VW] */
             int d = 0;
             /* two vector chunks at a time: eight independent sums, each over j in order */
@@ -86,6 +86,8 @@ INLINE void phase1_tile_forward(const float *bt, int64_t rs, int n, int D, int S
                     if (QW > 2) {
                         c2 += pj[2 * VW] * xv;
                         h2 += pj[2 * VW] * xh;
+                    }
+                    if (QW > 3) {
                         c3 += pj[3 * VW] * xv;
                         h3 += pj[3 * VW] * xh;
                     }
@@ -102,10 +104,8 @@ INLINE void phase1_tile_forward(const float *bt, int64_t rs, int n, int D, int S
                     const float *pj = pl + j * SQ * VW;
                     c0 += pj[0] * xv;
                     c1 += pj[VW] * xv;
-                    if (QW > 2) {
-                        c2 += pj[2 * VW] * xv;
-                        c3 += pj[3 * VW] * xv;
-                    }
+                    if (QW > 2) c2 += pj[2 * VW] * xv;
+                    if (QW > 3) c3 += pj[3 * VW] * xv;
                 }
                 vstore(o0 + d, c0);
                 if (o1) vstore(o1 + d, c1);
@@ -148,6 +148,9 @@ static int phase1_forward(const float *b, const float *u, int n, int64_t T, int 
         if (S <= 2) {
 #pragma omp for schedule(static)
             for (int64_t k = 0; k < tiles; ++k) PHASE1_FORWARD_TILE(2);
+        } else if (S == 3) {
+#pragma omp for schedule(static)
+            for (int64_t k = 0; k < tiles; ++k) PHASE1_FORWARD_TILE(3);
         } else {
 #pragma omp for schedule(static)
             for (int64_t k = 0; k < tiles; ++k) PHASE1_FORWARD_TILE(4);

@@ -182,7 +182,7 @@ static inline void prefetch_row(const float *x, int D) {
 INLINE void dotsq(const float *restrict x, const float *const *w, int D, const int QW,
                   float *restrict out, float *restrict sq, float *restrict copy) {
     const float *restrict w0 = w[0], *restrict w1 = w[1];
-    const float *restrict w2 = QW > 2 ? w[2] : w[0], *restrict w3 = QW > 2 ? w[3] : w[0];
+    const float *restrict w2 = QW > 2 ? w[2] : w[0], *restrict w3 = QW > 3 ? w[3] : w[0];
     vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, aq = {0};
     int d = 0;
     for (; d + VW <= D; d += VW) {
@@ -191,26 +191,26 @@ INLINE void dotsq(const float *restrict x, const float *const *w, int D, const i
         aq += xv * xv;
         a0 += xv * vload(w0 + d);
         a1 += xv * vload(w1 + d);
-        if (QW > 2) {
-            a2 += xv * vload(w2 + d);
-            a3 += xv * vload(w3 + d);
-        }
+        if (QW > 2) a2 += xv * vload(w2 + d);
+        if (QW > 3) a3 += xv * vload(w3 + d);
     }
-    const vf4 sums = QW > 2 ? vsum4(a0, a1, a2, a3) : vsum4(a0, a1, aq, aq);
-    float s0 = sums[0], s1 = sums[1], s2 = QW > 2 ? sums[2] : 0.f, s3 = QW > 2 ? sums[3] : 0.f;
-    float q = QW > 2 ? (sq ? vsum(aq) : 0.f) : sums[2];
+    /* the sum of squares takes a free slot of the four-way reduction where there is one */
+    const vf4 sums = QW > 3   ? vsum4(a0, a1, a2, a3)
+                     : QW > 2 ? vsum4(a0, a1, a2, aq)
+                              : vsum4(a0, a1, aq, aq);
+    float s0 = sums[0], s1 = sums[1], s2 = QW > 2 ? sums[2] : 0.f, s3 = QW > 3 ? sums[3] : 0.f;
+    float q = QW > 3 ? (sq ? vsum(aq) : 0.f) : sums[QW > 2 ? 3 : 2];
     for (; d < D; ++d) {
         if (copy) copy[d] = x[d];
         q += x[d] * x[d];
         s0 += x[d] * w0[d];
         s1 += x[d] * w1[d];
-        if (QW > 2) {
-            s2 += x[d] * w2[d];
-            s3 += x[d] * w3[d];
-        }
+        if (QW > 2) s2 += x[d] * w2[d];
+        if (QW > 3) s3 += x[d] * w3[d];
     }
     out[0] = s0, out[1] = s1;
-    if (QW > 2) out[2] = s2, out[3] = s3;
+    if (QW > 2) out[2] = s2;
+    if (QW > 3) out[3] = s3;
     if (sq) *sq = q;
 }
 
