@@ -9,8 +9,8 @@
  * same exponential (exactly 1 for one block).
  *
  * Queries are taken QW at a time: 4, or 2 when S <= 2, or 3 when S = 3 (the per-tile functions
- * are inlined with QW a constant, so their loops unroll into registers; S = 3 no longer pays
- * for a fourth, zero query). u has PAD4(S) rows, zero after S. Each
+ * are inlined with QW a constant, so their loops unroll into registers; S = 3 pays for no
+ * fourth, zero query). u has PAD4(S) rows, zero after S. Each
  * query's tensors (its query and gain [D], its output and output gradient [T, D], its lse and
  * lse gradient [T]) are separate, reached through arrays of S pointers: a sublayer's slice is a
  * tensor of its own, so no [S, ...] stack is formed around the kernels (a NULL gradient pointer
