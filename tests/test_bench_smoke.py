@@ -84,6 +84,16 @@ def test_pipeline_bench_smoke(small_dataset, tmp_path):
     assert "too few repetitions for an interval" in summary
     assert f"stage {slowest} compute per micro-batch, Block AttnRes / baseline" in summary
     assert "vs a plain-PyTorch GPT" in summary and "Peak memory per pipeline stage" in summary
+    # one repetition gives the model ratios no interval; enough give each shape's new path one
+    assert "intervals, new path" not in summary
+    within = model["step"]["2x32 S=3"]["ratio_intervals"]
+    within["block_over_baseline_new"], within["full_over_baseline_new"] = (
+        (1.01, 1.09, 0.965),
+        (1.1, 1.2, 0.965),
+    )
+    summary = summary_markdown(depth, result, model=model)
+    expected = "Their 96% intervals, new path: 2x32 S=3: Block [1.010, 1.090], Full [1.100, 1.200]."
+    assert expected in summary
 
 
 def test_norm_bench_smoke(tmp_path):
@@ -120,6 +130,8 @@ def test_model_bench_smoke(tmp_path):
     expected = {f"{m}_over_baseline_{p}" for m in ("block", "full") for p in ("old", "new")}
     expected |= {f"{m}_new_over_old" for m in ("baseline", "block", "full")}
     assert set(ratios) == expected and all(r > 0 for r in ratios.values())
+    intervals = result["step"]["2x32 S=3"]["ratio_intervals"]
+    assert set(intervals) == expected and all(v is None for v in intervals.values())
     variants = result["step"]["2x32 S=3"]["variants"]
     assert "megatron attention" in variants["block_old"]["model"]
     assert "sdpa attention" in variants["block_new"]["model"]

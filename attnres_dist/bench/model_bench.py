@@ -4,8 +4,8 @@ Megatron-layer model costs over a plain-PyTorch GPT.
 Every number is a training step (forward + backward + AdamW) on one ``[batch, seq + 1]`` token
 window, timed with every variant of a group interleaved (the order rotates each repetition)
 and reported as the median; the machine is shared, so the ratios are the result, each the
-median of the per-repetition ratios (``attnres_dist.bench.paired``; ``ratios_of_medians``
-beside them). Each step is
+median of the per-repetition ratios (``attnres_dist.bench.paired``; ``ratio_intervals``: its
+95% sign-test interval; ``ratios_of_medians`` beside them). Each step is
 timed twice: wall clock (``ratios``) and the process's CPU time (``ratios_cpu``: all its
 threads; less sensitive to waiting for a core on a loaded machine). One more step per variant
 counts its aten calls (``aten_calls``: every call, views included; ``aten_compute_calls``:
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from attnres_dist.bench.launch_job import REPO
-from attnres_dist.bench.paired import median_ratio, paired_ratio
+from attnres_dist.bench.paired import median_ratio, paired_interval, paired_ratio
 from attnres_dist.optim import fused_adamw_supported, param_groups
 
 CONFIG = REPO / "configs" / "tiny.yaml"
@@ -50,6 +50,9 @@ SHAPES: dict[str, tuple[str, ...]] = {
 }
 MODES = ("baseline", "block", "full")
 THREADS = 2
+# per-repetition step ratios spread by about +-10% at 32 x 64 on a shared 2-core host: 15
+# repetitions put the paired median within a 95% sign-test interval of ranks 4 .. 12
+REPS = 15
 FLOOR_MEGATRON_OVER_PLAIN = 0.85
 
 
@@ -192,14 +195,16 @@ def step_group(
             for n, c in cases.items()
         },
         "ratios": _step_ratios(times),
+        # how far the paired medians can be trusted (None below 6 repetitions)
+        "ratio_intervals": _step_ratios(times, paired_interval),
         "ratios_cpu": _step_ratios(cpu),
         "ratios_of_medians": _step_ratios(times, median_ratio),
     }
 
 
-def _step_ratios(times: dict[str, list[float]], estimate=paired_ratio) -> dict[str, float]:
+def _step_ratios(times: dict[str, list[float]], estimate=paired_ratio) -> dict:
     """AttnRes / baseline per path and new / old per mode (``estimate``: paired by default,
-    ``attnres_dist.bench.paired``)."""
+    or any of ``attnres_dist.bench.paired``'s estimates, such as its interval)."""
     ratios = {}
     for path in ("old", "new"):
         for mode in ("block", "full"):
@@ -252,7 +257,7 @@ def run(
     throughput_shape: tuple[str, ...] = (),
     batch: int = 16,
     seq: int = 128,
-    reps: int = 9,
+    reps: int = REPS,
     warmup: int = 2,
     old_impl: str = "lean",
     new_impl: str | None = None,
@@ -291,7 +296,7 @@ def run(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_results")
-    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--reps", type=int, default=REPS)
     parser.add_argument("--old-impl", default="lean")
     parser.add_argument("--new-impl", default=None, help="default: the config's default")
     args = parser.parse_args(argv)

@@ -139,6 +139,18 @@ def _model_rows(model: dict) -> list[str]:
             f"| {r['block_new_over_old']:.3f} | {r['full_new_over_old']:.3f} "
             f"| {r['baseline_new_over_old']:.3f} |"
         )
+    intervals, coverage = [], 0.0
+    for shape, group in model["step"].items():
+        within = group["ratio_intervals"]
+        block, full = within["block_over_baseline_new"], within["full_over_baseline_new"]
+        if block is not None and full is not None:  # None below 6 repetitions
+            intervals.append(
+                f"{shape}: Block [{block[0]:.3f}, {block[1]:.3f}], "
+                f"Full [{full[0]:.3f}, {full[1]:.3f}]"
+            )
+            coverage = block[2]
+    if intervals:
+        lines += ["", f"Their {coverage:.0%} intervals, new path: {'; '.join(intervals)}."]
     lines += [
         "",
         "The same ratios in CPU time (the process's, all threads), and the aten calls of one "
