@@ -38,13 +38,17 @@ def _stage_ms(variants: dict, name: str, stage: int, kind: str = "backward") -> 
     return f"{rows[0][f'{kind}_ms']:.1f}"
 
 
+def _bounds(interval: tuple[float, float, float]) -> str:
+    """A ``paired_interval``'s bounds, as the summary writes them."""
+    return f"[{interval[0]:.3f}, {interval[1]:.3f}]"
+
+
 def _interval_text(pipe: dict) -> str:
     """The paired ratio's confidence interval, as the summary's words for it."""
     interval = pipe.get("step_time_block_over_baseline_interval")
     if interval is None:
         return " (too few repetitions for an interval)"
-    low, high, coverage = interval
-    return f"; {coverage:.0%} within [{low:.3f}, {high:.3f}]"
+    return f"; {interval[2]:.0%} within {_bounds(interval)}"
 
 
 def _two_phase_rows(depth: dict) -> list[str]:
@@ -139,16 +143,13 @@ def _model_rows(model: dict) -> list[str]:
             f"| {r['block_new_over_old']:.3f} | {r['full_new_over_old']:.3f} "
             f"| {r['baseline_new_over_old']:.3f} |"
         )
-    intervals, coverage = [], 0.0
+    intervals, coverage = [], None
     for shape, group in model["step"].items():
         within = group["ratio_intervals"]
         block, full = within["block_over_baseline_new"], within["full_over_baseline_new"]
         if block is not None and full is not None:  # None below 6 repetitions
-            intervals.append(
-                f"{shape}: Block [{block[0]:.3f}, {block[1]:.3f}], "
-                f"Full [{full[0]:.3f}, {full[1]:.3f}]"
-            )
-            coverage = block[2]
+            intervals.append(f"{shape}: Block {_bounds(block)}, Full {_bounds(full)}")
+            coverage = block[2]  # the same at every shape: it depends on the repetitions only
     if intervals:
         lines += ["", f"Their {coverage:.0%} intervals, new path: {'; '.join(intervals)}."]
     lines += [
