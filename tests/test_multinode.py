@@ -1,6 +1,6 @@
 """Multi-node launching: Slurm and hydra dry-runs, and a pp=2 job across two simulated hosts.
 
-The dry-run checks cover what tests/test_launchers.py does not: launch/slurm.sbatch (srun +
+The dry-run checks cover what tests/test_launcher_dry_run.py does not: launch/slurm.sbatch (srun +
 torchrun, one line per node), torchrun.sh taking NODE_RANK from SLURM_NODEID, and extra hydra
 options for mpirun.sh (MPIRUN_ARGS).
 
