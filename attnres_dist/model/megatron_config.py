@@ -57,6 +57,7 @@ def transformer_config(model: ModelConfig, tp: int = 1, dtype=torch.float32, on_
         bf16=dtype == torch.bfloat16,
         gradient_accumulation_fusion=False,
         masked_softmax_fusion=on_gpu,
+        # off on every device: the functions they call are left uncompiled (see megatron_jit)
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
