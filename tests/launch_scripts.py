@@ -1,11 +1,15 @@
 """Shared by the launch-script tests: where the scripts are, the environment they run in
-(every variable they read cleared, so the caller's shell cannot change what is tested), and a
-hostfile writer."""
+(every variable they read cleared, so the caller's shell cannot change what is tested), a
+hostfile writer, and waiting for launched jobs (every rank stopped on a timeout)."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch"
@@ -40,3 +44,25 @@ def script_env(**overrides: str) -> dict[str, str]:
 def write_hostfile(path: Path, text: str) -> str:
     path.write_text(text)
     return str(path)
+
+
+def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 300) -> None:
+    try:
+        for proc in procs:
+            proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        pytest.fail(f"launcher timed out after {timeout} s\n" + tails(logs))
+    codes = [proc.returncode for proc in procs]
+    assert codes == [0] * len(procs), f"exit codes {codes}\n" + tails(logs)
+
+
+def tails(logs: list[Path]) -> str:
+    out = []
+    for log in logs:
+        lines = log.read_text(errors="replace").splitlines()
+        out.append(f"--- {log.name} (last 40 lines) ---\n" + "\n".join(lines[-40:]))
+    return "\n".join(out)

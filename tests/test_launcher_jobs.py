@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import socket
 import subprocess
 from pathlib import Path
@@ -19,7 +18,15 @@ from pathlib import Path
 import pytest
 
 from attnres_dist.parallel.launch_env import free_port
-from tests.launch_scripts import LAUNCH, LAUNCHERS, REPO, script_env, write_hostfile
+from tests.launch_scripts import (
+    LAUNCH,
+    LAUNCHERS,
+    REPO,
+    script_env,
+    tails,
+    wait_all,
+    write_hostfile,
+)
 
 # Two pipeline stages, two layers, three steps: the smallest job that still exercises the
 # pipeline engine end to end (send/recv between stages, evaluation, summary).
@@ -66,28 +73,6 @@ def start(
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-
-
-def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 300) -> None:
-    try:
-        for proc in procs:
-            proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        pytest.fail(f"launcher timed out after {timeout} s\n" + tails(logs))
-    codes = [proc.returncode for proc in procs]
-    assert codes == [0] * len(procs), f"exit codes {codes}\n" + tails(logs)
-
-
-def tails(logs: list[Path]) -> str:
-    out = []
-    for log in logs:
-        lines = log.read_text(errors="replace").splitlines()
-        out.append(f"--- {log.name} (last 40 lines) ---\n" + "\n".join(lines[-40:]))
-    return "\n".join(out)
 
 
 def assert_finished(run_dir: Path, logs: list[Path]) -> None:

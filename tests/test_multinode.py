@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.launch_scripts import tails, wait_all
 
 SUBNET = "10.78.0"
 IFACE = "arnet0"  # the veth end's name inside each namespace
@@ -160,27 +161,6 @@ def start(cmd: list[str], log: Path, env: dict[str, str], netns: str | None = No
     )
 
 
-def finish(procs: list[subprocess.Popen], logs: list[Path]) -> None:
-    try:
-        for proc in procs:
-            proc.wait(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        pytest.fail(f"job timed out after {TIMEOUT_S} s\n{tails(logs)}")
-    codes = [proc.returncode for proc in procs]
-    assert codes == [0] * len(procs), f"exit codes {codes}\n{tails(logs)}"
-
-
-def tails(logs: list[Path]) -> str:
-    return "\n".join(
-        f"--- {log.name} ---\n" + "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-        for log in logs
-    )
-
-
 def losses(run_dir: Path, logs: list[Path]) -> list[float]:
     summary = run_dir / "summary.json"
     assert summary.exists(), tails(logs)
@@ -205,7 +185,7 @@ def single_host(small_dataset, tmp_path_factory) -> list[float]:
     run_dir, log = tmp / "run", tmp / "single.log"
     args = [*JOB, f"data.path={small_dataset}", f"output.run_dir={run_dir}"]
     proc = start(launch("torchrun.sh") + args, log, {"NPROC": "2"})
-    finish([proc], [log])
+    wait_all([proc], [log], timeout=TIMEOUT_S)
     return losses(run_dir, [log])
 
 
@@ -237,7 +217,7 @@ def test_torchrun_across_two_hosts_matches_one_host(hosts, single_host, small_da
         )
         for rank, host in enumerate(hosts)
     ]
-    finish(procs, logs)
+    wait_all(procs, logs, timeout=TIMEOUT_S)
     assert_same_losses(losses(run_dir, logs), single_host)
 
 
@@ -266,7 +246,7 @@ def test_mpirun_across_two_hosts_matches_one_host(hosts, single_host, small_data
         "MPIRUN_ARGS": f"-launcher ssh -launcher-exec {to_host} -localhost {hosts[0].addr}",
     }
     proc = start(launch("mpirun.sh") + args, log, env, netns=hosts[0].netns)
-    finish([proc], [log])
+    wait_all([proc], [log], timeout=TIMEOUT_S)
     assert_same_losses(losses(run_dir, [log]), single_host)
 
 
