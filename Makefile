@@ -13,14 +13,15 @@ setup: $(STAMP)
 # uv installs in parallel: the whole set-up in 65 s where pip took 137 s, side by side on a
 # 2-core host. It does not read pip's configuration, so pip's find-links (where a machine keeps
 # its CPU torch wheel: never a surprise CUDA build) is passed on. Bytecode is compiled at
-# install, as pip does: every rank of every job imports from it.
+# install, as pip does: every rank of every job imports from it. pip itself stays current for
+# what still uses it (gpu-wheels, the GPU check's dry run).
 FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 UV_INSTALL := $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) \
               $(foreach link,$(FIND_LINKS),--find-links $(link))
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q uv==0.13.9
+	$(PY) -m pip install -q --upgrade pip uv==0.13.9
 	$(UV_INSTALL) torch==2.13.0 -e '.[dev]'
 	touch $(STAMP)
 
