@@ -14,9 +14,10 @@ setup: $(STAMP)
 # 2-core host. It does not read pip's configuration, so pip's find-links (where a machine keeps
 # its CPU torch wheel: never a surprise CUDA build) is passed on. Bytecode is compiled at
 # install, as pip does: every rank of every job imports from it. pip itself stays current for
-# what still uses it (gpu-wheels, the GPU check's dry run).
-FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
-UV_INSTALL := $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) \
+# what still uses it (gpu-wheels, the GPU check's dry run). Deferred (=): asked only when
+# the venv is built, not on every make.
+FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+UV_INSTALL = $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) \
               $(foreach link,$(FIND_LINKS),--find-links $(link))
 
 $(STAMP): pyproject.toml

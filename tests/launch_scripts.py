@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import REPO
+
 LAUNCH = REPO / "launch"
 VENV_PY = REPO / ".venv" / "bin" / "python"
 LAUNCHERS = ["torchrun", "deepspeed", "mpirun"]

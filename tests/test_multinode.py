@@ -1,8 +1,8 @@
 """Multi-node launching: Slurm and hydra dry-runs, and a pp=2 job across two simulated hosts.
 
-The dry-run checks cover what tests/test_launcher_dry_run.py does not: launch/slurm.sbatch (srun +
-torchrun, one line per node), torchrun.sh taking NODE_RANK from SLURM_NODEID, and extra hydra
-options for mpirun.sh (MPIRUN_ARGS).
+The dry-run checks cover what tests/test_launcher_dry_run.py does not: launch/slurm.sbatch
+(srun + torchrun, one line per node), torchrun.sh taking NODE_RANK from SLURM_NODEID, and extra
+hydra options for mpirun.sh (MPIRUN_ARGS).
 
 Two namespaces joined by a veth pair stand in for two machines (DESIGN.md section 4): their
 addresses (10.78.0.1/24, 10.78.0.2/24) exist only inside them, the link's interface has the
