@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 # Set in this process by in-process runs (init_distributed exports them); a child must not
 # inherit a rendezvous port that this process still holds.
-LAUNCH_VARS = {
+RENDEZVOUS_VARS = {
     "RANK",
     "WORLD_SIZE",
     "LOCAL_RANK",
@@ -29,6 +29,11 @@ LAUNCH_VARS = {
     "GROUP_RANK",
     "TORCHELASTIC_RUN_ID",
 }
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment without the rendezvous variables (``RENDEZVOUS_VARS``)."""
+    return {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}
 
 
 # A model small enough for multi-process tests; block size 3 puts stage cuts inside blocks.
@@ -70,7 +75,7 @@ def small_dataset(tmp_path_factory) -> str:
 
 def run_job(args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None):
     """Run ``python args...`` in one process, or under torchrun with ``nproc`` ranks."""
-    full_env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    full_env = child_env()
     full_env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     full_env.update(env or {})
     if nproc == 1:

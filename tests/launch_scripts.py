@@ -18,7 +18,7 @@ VENV_PY = REPO / ".venv" / "bin" / "python"
 LAUNCHERS = ["torchrun", "deepspeed", "mpirun"]
 
 # Variables the scripts read; cleared so the caller's shell cannot change what is tested.
-LAUNCH_VARS = [
+SCRIPT_VARS = [
     "NPROC",
     "NNODES",
     "NODE_RANK",
@@ -36,7 +36,7 @@ LAUNCH_VARS = [
 
 
 def script_env(**overrides: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in SCRIPT_VARS}
     env["PYTHONWARNINGS"] = "ignore"
     env.update(overrides)
     return env

@@ -11,13 +11,12 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import LAUNCH_VARS, REPO, run_job
+from tests.conftest import REPO, child_env, run_job
 
 NCCL_WORLD_OF_ONE = """
 import json, torch, torch.distributed as dist
@@ -52,7 +51,7 @@ def test_nccl_takes_the_tensors_made_on_the_run_device():
         capture_output=True,
         text=True,
         timeout=300,
-        env={k: v for k, v in os.environ.items() if k not in LAUNCH_VARS},
+        env=child_env(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -30,7 +30,7 @@ from attnres_dist.cli import main
 from attnres_dist.config import load_config
 from attnres_dist.parallel.process_groups import shutdown_distributed
 from attnres_dist.train.trainer import Trainer
-from tests.conftest import LAUNCH_VARS, REPO
+from tests.conftest import REPO, child_env
 from tests.test_checkpoint import args_for, in_process, train
 
 TOL = 1e-5
@@ -108,7 +108,7 @@ def test_export_loads_and_generates_without_deepspeed(trained, tmp_path, capsys)
             str(tmp / "logits.pt"),
         ],
         cwd=REPO,
-        env={k: v for k, v in os.environ.items() if k not in LAUNCH_VARS},
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -139,7 +139,7 @@ def _without_megatron(*args: str) -> dict:
     proc = subprocess.run(
         [sys.executable, "tests/workers/without_megatron.py", *args],
         cwd=REPO,
-        env={k: v for k, v in os.environ.items() if k not in LAUNCH_VARS},
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -343,7 +343,7 @@ def test_generate_on_the_gpu_matches_the_cpu(trained, tmp_path):
                 torch.save(model(tokens.cuda()).cpu(), tmp_path / "gpu_logits.pt")
         finally:
             shutdown_distributed()
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env = child_env()
     for visible in ("0", ""):
         proc = subprocess.run(
             [sys.executable, "-c", LOGITS, str(out), "cpu", str(tmp / "tokens.pt")]

@@ -11,18 +11,17 @@ The test checks each step's record and the gpu.md written from them.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 
 import pytest
 
-from tests.conftest import LAUNCH_VARS, REPO, VENV_BIN
+from tests.conftest import REPO, VENV_BIN, child_env
 
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env = child_env()
     env.update(GPU_CHECK_DRY_RUN="1", PYTHON=str(VENV_BIN / "python"), OUT=str(out))
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(
