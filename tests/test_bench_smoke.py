@@ -20,7 +20,12 @@ from attnres_dist.bench import (
     precision_bench,
 )
 from attnres_dist.bench.peak_memory import peak_bytes
-from attnres_dist.bench.run import generation_rows, precision_markdown, summary_markdown
+from attnres_dist.bench.run import (
+    fixed_cost_rows,
+    generation_rows,
+    precision_markdown,
+    summary_markdown,
+)
 from tests.conftest import TINY_MODEL
 
 
@@ -120,7 +125,9 @@ SMOKE_SHAPE = ("model.num_layers=2", "model.hidden_size=32", "model.attnres.bloc
 
 def model_smoke(tmp_path) -> dict:
     shapes = {"2x32 S=3": SMOKE_SHAPE}
-    return model_bench.run(tmp_path, shapes, SMOKE_SHAPE, batch=2, seq=16, reps=1, warmup=0)
+    return model_bench.run(
+        tmp_path, shapes, SMOKE_SHAPE, batch=2, seq=16, reps=1, warmup=0, fixed_reps=2
+    )
 
 
 def test_model_bench_smoke(tmp_path):
@@ -136,6 +143,23 @@ def test_model_bench_smoke(tmp_path):
     assert "megatron attention" in variants["block_old"]["model"]
     assert "sdpa attention" in variants["block_new"]["model"]
     assert "impl=lean" in variants["block_old"]["model"]
+    fixed = result["fixed_cost"]["2x32 S=3"]
+    assert fixed["tokens"] == model_bench.FIXED_TOKENS and set(fixed["step_ms"]) == set(
+        model_bench.MODES
+    )
+    for mode in ("block", "full"):  # the full-size difference is the step group's, paired
+        full_size = [
+            (a - b) * 1e3
+            for a, b in zip(
+                variants[f"{mode}_new"]["step_s"]["samples"],
+                variants["baseline_new"]["step_s"]["samples"],
+                strict=True,
+            )
+        ]
+        assert fixed[mode]["extra_ms_full_size"] == pytest.approx(full_size[0])
+    assert all(ms > 0 for ms in fixed["step_ms"].values())
+    rows = "\n".join(fixed_cost_rows(result))
+    assert "| 2x32 S=3 |" in rows and "8-token sequence" in rows
     throughput = result["throughput"]["ratios"]
     assert set(throughput) == {
         "attnres_new_over_plain",

@@ -18,6 +18,10 @@ without metadata-only ops), the per-op overhead a CPU step pays.
   ``runtime.fused_norm=auto``). Ratios: AttnRes / baseline per path, and new / old per mode.
   The implementations are parameters (``old_impl``, ``new_impl``; None = the config's
   default), so a newly registered one is measured by naming it.
+* ``fixed_cost``: the same new-path baseline, Block and Full at each shape on ONE 8-token
+  sequence, interleaved (``FIXED_REPS``): AttnRes's extra step time there is what does not
+  scale with tokens (Python, autograd nodes, dispatch, the optimizer's extra tensors), set
+  beside its extra time at full size (paired medians of the per-repetition differences).
 * ``throughput``: tokens/s of ``make train-single``'s model (``configs/tiny.yaml``) on either
   path and of its baseline-residual twin, against ``PlainGPT`` of the same shape
   (``attnres_dist.bench.plain_gpt``), in the same process and threads.
@@ -54,6 +58,8 @@ THREADS = 2
 # repetitions put the paired median within a 95% sign-test interval of ranks 4 .. 12
 REPS = 15
 FLOOR_MEGATRON_OVER_PLAIN = 0.85
+FIXED_TOKENS = 8  # the fixed-cost group's one sequence: arithmetic next to nothing
+FIXED_REPS = 40  # its steps take milliseconds
 
 
 def path_overrides(path: str, old_impl: str = "lean", new_impl: str | None = None) -> list[str]:
@@ -202,6 +208,30 @@ def step_group(
     }
 
 
+def fixed_cost_group(
+    shape: tuple[str, ...], full_size: dict, reps: int, warmup: int, new_impl: str | None
+) -> dict:
+    """AttnRes's extra step time (ms) over the baseline on one ``FIXED_TOKENS`` sequence,
+    beside the same difference in ``full_size`` (a :func:`step_group` result, new path)."""
+    window = _window(1, FIXED_TOKENS)
+    words = [*shape, f"model.seq_length={FIXED_TOKENS}", *path_overrides("new", "lean", new_impl)]
+    cases = {m: build_case([*words, f"model.attnres.mode={m}"], window) for m in MODES}
+    times = interleaved(cases, reps, warmup)
+    full = {m: full_size["variants"][f"{m}_new"]["step_s"]["samples"] for m in MODES}
+    out = {"tokens": FIXED_TOKENS, "step_ms": {m: statistics.median(times[m]) * 1e3 for m in MODES}}
+    for mode in ("block", "full"):
+        fixed, at_size = _extra_ms(times, mode), _extra_ms(full, mode)
+        ratio = fixed / at_size if at_size > 0 else None  # None: no extra time at full size
+        out[mode] = {"extra_ms": fixed, "extra_ms_full_size": at_size, "ratio": ratio}
+    return out
+
+
+def _extra_ms(times: dict[str, list[float]], mode: str) -> float:
+    """Median over repetitions of ``mode``'s step time minus the baseline's, in ms."""
+    pairs = zip(times[mode], times["baseline"], strict=True)
+    return statistics.median(a - b for a, b in pairs) * 1e3
+
+
 def _step_ratios(times: dict[str, list[float]], estimate=paired_ratio) -> dict:
     """AttnRes / baseline per path and new / old per mode (``estimate``: paired by default,
     or any of ``attnres_dist.bench.paired``'s estimates, such as its interval)."""
@@ -261,8 +291,9 @@ def run(
     warmup: int = 2,
     old_impl: str = "lean",
     new_impl: str | None = None,
+    fixed_reps: int = FIXED_REPS,
 ) -> dict:
-    """Run both groups, write ``out_dir/model.json`` and return its content."""
+    """Run the groups, write ``out_dir/model.json`` and return its content."""
     from attnres_dist.parallel.dims import ParallelDims
     from attnres_dist.parallel.process_groups import init_distributed
 
@@ -275,6 +306,10 @@ def run(
             name: step_group(words, window, reps, warmup, old_impl, new_impl)
             for name, words in (SHAPES if shapes is None else shapes).items()
         }
+        fixed = {
+            name: fixed_cost_group(words, step[name], fixed_reps, warmup, new_impl)
+            for name, words in (SHAPES if shapes is None else shapes).items()
+        }
         throughput = throughput_group(throughput_shape, window, reps, warmup, old_impl, new_impl)
     result = {
         "config": {
@@ -282,11 +317,13 @@ def run(
             "seq": seq,
             "reps": reps,
             "warmup": warmup,
+            "fixed_reps": fixed_reps,
             "threads": THREADS,
             "old_path": path_overrides("old", old_impl, new_impl),
             "new_path": path_overrides("new", old_impl, new_impl),
         },
         "step": step,
+        "fixed_cost": fixed,
         "throughput": throughput,
     }
     (out_path / "model.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -120,6 +120,37 @@ def generation_rows(gen: dict) -> list[str]:
     ]
 
 
+def fixed_cost_rows(model: dict) -> list[str]:
+    """AttnRes's extra step time on a few tokens beside its extra time at full size."""
+    fixed = model.get("fixed_cost")
+    if not fixed:
+        return []
+    c = model["config"]
+    tokens = next(iter(fixed.values()))["tokens"]
+
+    def cells(group: dict) -> str:
+        ratio = "n/a" if group["ratio"] is None else f"{group['ratio']:.2f}"
+        return f"{group['extra_ms_full_size']:.1f} | {group['extra_ms']:.1f} | {ratio}"
+
+    lines = [
+        "",
+        f"What does not scale with tokens: AttnRes's extra step time (ms, new path, paired "
+        f"medians) at {c['batch']} x {c['seq']} tokens and on one {tokens}-token sequence, "
+        "where the arithmetic is next to nothing and what remains is per-call cost (Python, "
+        "autograd nodes, dispatch, the optimizer's extra tensors) with warm caches. At full "
+        "size the same calls run between kernels that leave the caches cold, so the ratio "
+        "says how much of the extra time is per-call work, not what removing it would save "
+        "(docs/kernels.md, 'Calls').",
+        "",
+        f"| shape | Block extra, full size | Block extra, {tokens} tokens | ratio | "
+        f"Full extra, full size | Full extra, {tokens} tokens | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for shape, group in fixed.items():
+        lines.append(f"| {shape} | {cells(group['block'])} | {cells(group['full'])} |")
+    return lines
+
+
 def _model_rows(model: dict) -> list[str]:
     """AttnRes / baseline per shape (old path beside new) and tokens/s against plain PyTorch."""
     c = model["config"]
@@ -171,6 +202,7 @@ def _model_rows(model: dict) -> list[str]:
             f"| {shape} | {r['block_over_baseline_new']:.3f} ({r['block_over_baseline_old']:.3f}) "
             f"| {r['full_over_baseline_new']:.3f} ({r['full_over_baseline_old']:.3f}) | {calls} |"
         )
+    lines += fixed_cost_rows(model)
     t = model["throughput"]
     v, r = t["variants"], t["ratios"]
     lines += [
