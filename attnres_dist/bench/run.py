@@ -122,10 +122,7 @@ def generation_rows(gen: dict) -> list[str]:
 
 def fixed_cost_rows(model: dict) -> list[str]:
     """AttnRes's extra step time on a few tokens beside its extra time at full size."""
-    fixed = model.get("fixed_cost")
-    if not fixed:
-        return []
-    c = model["config"]
+    fixed, c = model["fixed_cost"], model["config"]
     tokens = next(iter(fixed.values()))["tokens"]
 
     def cells(group: dict) -> str:
