@@ -1,10 +1,15 @@
-"""The benches' paired ratio estimate (attnres_dist.bench.paired), on hand-computed samples."""
+"""The benches' paired estimates (attnres_dist.bench.paired), on hand-computed samples."""
 
 from __future__ import annotations
 
 import pytest
 
-from attnres_dist.bench.paired import median_ratio, paired_interval, paired_ratio
+from attnres_dist.bench.paired import (
+    median_ratio,
+    paired_difference,
+    paired_interval,
+    paired_ratio,
+)
 
 
 def test_a_slow_spell_cancels_in_the_paired_ratio_not_in_the_ratio_of_medians():
@@ -22,9 +27,16 @@ def test_paired_ratio_is_the_median_of_the_per_repetition_ratios():
     assert median_ratio([2.0, 4.0, 20.0], [1.0, 10.0, 10.0]) == 0.4  # 4 / 10
 
 
+def test_paired_difference_is_the_median_of_the_per_repetition_differences():
+    # differences 1, 6, 7: median 6, where the medians' difference is 9 - 2 = 7
+    assert paired_difference([2.0, 16.0, 9.0], [1.0, 10.0, 2.0]) == 6.0
+
+
 def test_unpaired_samples_are_refused():
     with pytest.raises(ValueError, match="need equal, non-zero"):
         paired_ratio([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="need equal, non-zero"):
+        paired_difference([1.0, 2.0], [1.0])
     with pytest.raises(ValueError, match="need equal, non-zero"):
         paired_ratio([], [])
 

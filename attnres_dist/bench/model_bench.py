@@ -42,7 +42,12 @@ from pathlib import Path
 import torch
 
 from attnres_dist.bench.launch_job import REPO
-from attnres_dist.bench.paired import median_ratio, paired_interval, paired_ratio
+from attnres_dist.bench.paired import (
+    median_ratio,
+    paired_difference,
+    paired_interval,
+    paired_ratio,
+)
 from attnres_dist.optim import fused_adamw_supported, param_groups
 
 CONFIG = REPO / "configs" / "tiny.yaml"
@@ -220,16 +225,11 @@ def fixed_cost_group(
     full = {m: full_size["variants"][f"{m}_new"]["step_s"]["samples"] for m in MODES}
     out = {"tokens": FIXED_TOKENS, "step_ms": {m: statistics.median(times[m]) * 1e3 for m in MODES}}
     for mode in ("block", "full"):
-        fixed, at_size = _extra_ms(times, mode), _extra_ms(full, mode)
+        fixed = paired_difference(times[mode], times["baseline"]) * 1e3
+        at_size = paired_difference(full[mode], full["baseline"]) * 1e3
         ratio = fixed / at_size if at_size > 0 else None  # None: no extra time at full size
         out[mode] = {"extra_ms": fixed, "extra_ms_full_size": at_size, "ratio": ratio}
     return out
-
-
-def _extra_ms(times: dict[str, list[float]], mode: str) -> float:
-    """Median over repetitions of ``mode``'s step time minus the baseline's, in ms."""
-    pairs = zip(times[mode], times["baseline"], strict=True)
-    return statistics.median(a - b for a, b in pairs) * 1e3
 
 
 def _step_ratios(times: dict[str, list[float]], estimate=paired_ratio) -> dict:
@@ -301,14 +301,15 @@ def run(
     out_path = Path(out_dir)
     out_path.mkdir(parents=True, exist_ok=True)
     window = _window(batch, seq)
+    shapes = SHAPES if shapes is None else shapes
     with threads(THREADS):
         step = {
             name: step_group(words, window, reps, warmup, old_impl, new_impl)
-            for name, words in (SHAPES if shapes is None else shapes).items()
+            for name, words in shapes.items()
         }
         fixed = {
             name: fixed_cost_group(words, step[name], fixed_reps, warmup, new_impl)
-            for name, words in (SHAPES if shapes is None else shapes).items()
+            for name, words in shapes.items()
         }
         throughput = throughput_group(throughput_shape, window, reps, warmup, old_impl, new_impl)
     result = {

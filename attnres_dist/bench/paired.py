@@ -45,14 +45,23 @@ def paired_interval(
     return ratios[k - 1], ratios[n - k], coverage
 
 
+def paired_difference(minuend: Sequence[float], subtrahend: Sequence[float]) -> float:
+    """Median over repetitions r of ``minuend[r] - subtrahend[r]`` (aligned samples): the
+    extra time itself, where a ratio would fold in the size of the step."""
+    _check(minuend, subtrahend)
+    return statistics.median(a - b for a, b in zip(minuend, subtrahend, strict=True))
+
+
 def median_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> float:
     """The ratio of the two medians (what the paired estimate is reported beside)."""
     return statistics.median(numerator) / statistics.median(denominator)
 
 
+def _check(a: Sequence[float], b: Sequence[float]) -> None:
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired samples: got {len(a)} and {len(b)}; need equal, non-zero")
+
+
 def _ratios(numerator: Sequence[float], denominator: Sequence[float]) -> list[float]:
-    if len(numerator) != len(denominator) or not numerator:
-        raise ValueError(
-            f"paired samples: got {len(numerator)} and {len(denominator)}; need equal, non-zero"
-        )
+    _check(numerator, denominator)
     return [a / b for a, b in zip(numerator, denominator, strict=True)]
