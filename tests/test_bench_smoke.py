@@ -19,13 +19,14 @@ from attnres_dist.bench import (
     pipeline_bench,
     precision_bench,
 )
+from attnres_dist.bench.extra_time import fixed_cost_rows, kernel_rows
 from attnres_dist.bench.peak_memory import peak_bytes
 from attnres_dist.bench.run import (
-    fixed_cost_rows,
     generation_rows,
     precision_markdown,
     summary_markdown,
 )
+from attnres_dist.ops.cpu_library import requirement
 from tests.conftest import TINY_MODEL
 
 
@@ -80,6 +81,20 @@ def test_pipeline_bench_smoke(small_dataset, tmp_path):
     stages = result["variants"]["baseline"]["stages"]
     slowest = max(stages, key=lambda r: r["forward_ms"] + r["backward_ms"])["stage"]
     assert result["bottleneck_stage"] == slowest
+    # the old path runs no C kernel; the new one at least its norms (each stage has layers)
+    for name, variant in result["variants"].items():
+        kernel_ms = [r["kernel_ms"] for r in variant["stages"]]
+        old = variant["path"] == "old"
+        assert all(ms == 0 for ms in kernel_ms) if old or requirement() else all(kernel_ms), name
+    for extra in result["block_extra_ms"]:
+        stage = extra["stage"]
+        ms = {
+            n: next(r for r in result["variants"][n]["stages"] if r["stage"] == stage)
+            for n in ("block_packed", "baseline")
+        }
+        assert extra["kernels"] == pytest.approx(
+            ms["block_packed"]["kernel_ms"] - ms["baseline"]["kernel_ms"]
+        )
 
     depth = depth_attention_bench.run(tmp_path, n=3, tokens=64, dim=16, reps=1, warmup=0)
     model = model_smoke(tmp_path)
@@ -88,6 +103,7 @@ def test_pipeline_bench_smoke(small_dataset, tmp_path):
     assert "All equal the prediction." in summary
     assert "too few repetitions for an interval" in summary
     assert f"stage {slowest} compute per micro-batch, Block AttnRes / baseline" in summary
+    assert "stage 1 extra compute per micro-batch in the C kernels" in summary
     assert "vs a plain-PyTorch GPT" in summary and "Peak memory per pipeline stage" in summary
     # one repetition gives the model ratios no interval; enough give each shape's new path one
     assert "intervals, new path" not in summary
@@ -154,6 +170,18 @@ def test_model_bench_smoke(tmp_path):
     assert all(ms > 0 for ms in fixed["step_ms"].values())
     rows = "\n".join(fixed_cost_rows(result))
     assert "| 2x32 S=3 |" in rows and "8-token sequence" in rows
+    kernels = {n: v["kernel_s"] for n, v in variants.items()}
+    if requirement() is None:  # the old path runs no C kernel; the new one its norms, and
+        # AttnRes its depth mixing besides
+        assert all(kernels[f"{m}_old"]["by_kernel"] == {} for m in model_bench.MODES)
+        assert set(kernels["baseline_new"]["by_kernel"]) == {"rms_norm_fwd", "rms_norm_bwd"}
+        assert {"phase1_fwd", "phase1_bwd"} <= set(kernels["block_new"]["by_kernel"])
+        for mode in ("block", "full"):  # one repetition: the differences of its two steps
+            share = result["step"]["2x32 S=3"]["kernel_share"][mode]
+            extra = kernels[f"{mode}_new"]["median"] - kernels["baseline_new"]["median"]
+            assert share["kernel_extra_ms"] == pytest.approx(extra * 1e3)
+        rows = "\n".join(kernel_rows(result))
+        assert "| 2x32 S=3 | block |" in rows and "phase1_bwd" in rows
     throughput = result["throughput"]["ratios"]
     assert set(throughput) == {
         "attnres_new_over_plain",

@@ -17,7 +17,10 @@ without metadata-only ops), the per-op overhead a CPU step pays.
   depth-attention implementation, ``runtime.core_attention=auto``,
   ``runtime.fused_norm=auto``). Ratios: AttnRes / baseline per path, and new / old per mode.
   The implementations are parameters (``old_impl``, ``new_impl``; None = the config's
-  default), so a newly registered one is measured by naming it.
+  default), so a newly registered one is measured by naming it. The same steps also time
+  the project's C kernels (``kernel_s``: seconds per step inside each entry point, by
+  ``cpu_library.kernel_clock``); ``kernel_share`` sets the kernel time AttnRes adds beside
+  the step time it adds (new path, paired medians).
 * ``fixed_cost``: the same new-path baseline, Block and Full at each shape on ONE 8-token
   sequence, interleaved (``FIXED_REPS``): AttnRes's extra step time there is what does not
   scale with tokens (Python, autograd nodes, dispatch, the optimizer's extra tensors), set
@@ -48,6 +51,7 @@ from attnres_dist.bench.paired import (
     paired_interval,
     paired_ratio,
 )
+from attnres_dist.ops.cpu_library import kernel_clock
 from attnres_dist.optim import fused_adamw_supported, param_groups
 
 CONFIG = REPO / "configs" / "tiny.yaml"
@@ -59,9 +63,10 @@ SHAPES: dict[str, tuple[str, ...]] = {
 }
 MODES = ("baseline", "block", "full")
 THREADS = 2
-# per-repetition step ratios spread by about +-10% at 32 x 64 on a shared 2-core host: 15
-# repetitions put the paired median within a 95% sign-test interval of ranks 4 .. 12
-REPS = 15
+# per-repetition step ratios spread by +-10% and more on a shared 2-core host, and the paired
+# median of 15 repetitions moved by 4-5% between runs: 31 put it within a 97% sign-test
+# interval of ranks 10 .. 22
+REPS = 31
 FLOOR_MEGATRON_OVER_PLAIN = 0.85
 FIXED_TOKENS = 8  # the fixed-cost group's one sequence: arithmetic next to nothing
 FIXED_REPS = 40  # its steps take milliseconds
@@ -105,12 +110,14 @@ class Case:
 
     def step(self) -> float:
         start, cpu = time.perf_counter(), time.process_time()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.model.loss(self.window).backward()
-        self.optimizer.step()
+        with kernel_clock() as kernels:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.loss(self.window).backward()
+            self.optimizer.step()
         if self.window.is_cuda:
             torch.cuda.synchronize()
         self.last_cpu_s = time.process_time() - cpu
+        self.last_kernel_s = kernels  # seconds inside each of the project's C kernels
         return time.perf_counter() - start
 
     def aten_calls(self) -> dict:
@@ -152,10 +159,15 @@ def build_plain(overrides: list[str], window: torch.Tensor, config=CONFIG) -> Ca
 
 
 def interleaved(
-    cases: dict[str, Case], reps: int, warmup: int, cpu: dict | None = None
+    cases: dict[str, Case],
+    reps: int,
+    warmup: int,
+    cpu: dict | None = None,
+    kernels: dict | None = None,
 ) -> dict[str, list[float]]:
     """Step times per case; each repetition runs every case once, in a rotating order.
-    ``cpu``, when given, receives each case's CPU-time samples."""
+    ``cpu`` and ``kernels``, when given, receive each case's CPU-time samples and its steps'
+    seconds inside the C kernels (a dict per step, by entry point)."""
     names = list(cases)
     times: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(warmup + reps):
@@ -166,6 +178,8 @@ def interleaved(
                 times[name].append(elapsed)
                 if cpu is not None:
                     cpu.setdefault(name, []).append(cases[name].last_cpu_s)
+                if kernels is not None:
+                    kernels.setdefault(name, []).append(cases[name].last_kernel_s)
     return times
 
 
@@ -192,7 +206,8 @@ def step_group(
                 [*words, *path_overrides(path, old_impl, new_impl)], window
             )
     cpu: dict[str, list[float]] = {}
-    times = interleaved(cases, reps, warmup, cpu)
+    kernels: dict[str, list[dict]] = {}
+    times = interleaved(cases, reps, warmup, cpu, kernels)
     calls = {name: case.aten_calls() for name, case in cases.items()}
     return {
         "variants": {
@@ -200,17 +215,43 @@ def step_group(
                 "model": c.describe,
                 "step_s": _stats(times[n]),
                 "cpu_s": _stats(cpu[n]),
+                "kernel_s": _kernel_stats(kernels[n]),
                 "aten_calls": calls[n]["all"],
                 "aten_compute_calls": calls[n]["compute"],
             }
             for n, c in cases.items()
         },
+        "kernel_share": _kernel_share(times, kernels),
         "ratios": _step_ratios(times),
         # how far the paired medians can be trusted (None below 6 repetitions)
         "ratio_intervals": _step_ratios(times, paired_interval),
         "ratios_cpu": _step_ratios(cpu),
         "ratios_of_medians": _step_ratios(times, median_ratio),
     }
+
+
+def _kernel_stats(steps: list[dict]) -> dict:
+    """Seconds per step inside the C kernels: each entry point's median and the total's
+    samples (zeros where a path calls none)."""
+    names = sorted({name for step in steps for name in step})
+    return {
+        "by_kernel": {n: statistics.median(step.get(n, 0.0) for step in steps) for n in names},
+        **_stats([sum(step.values()) for step in steps]),
+    }
+
+
+def _kernel_share(times: dict[str, list[float]], kernels: dict[str, list[dict]]) -> dict:
+    """New path, Block and Full: AttnRes's extra step time and the extra time its steps spent
+    inside the C kernels (ms, paired medians over the same steps), and their quotient."""
+    total = {n: [sum(step.values()) for step in steps] for n, steps in kernels.items()}
+    out = {}
+    for mode in ("block", "full"):
+        a, b = f"{mode}_new", "baseline_new"
+        step = paired_difference(times[a], times[b]) * 1e3
+        kernel = paired_difference(total[a], total[b]) * 1e3
+        share = kernel / step if step > 0 else None  # None: no extra step time
+        out[mode] = {"extra_ms": step, "kernel_extra_ms": kernel, "share": share}
+    return out
 
 
 def fixed_cost_group(

@@ -36,10 +36,10 @@ from pathlib import Path
 from attnres_dist.bench import launch_job as job
 from attnres_dist.bench.paired import median_ratio, paired_interval, paired_ratio
 
-# Repetitions: the per-repetition ratio of Block to baseline varies by about 5% on a shared
-# 2-core host (two ranks, one thread each); 30 put the paired median within about 1.3% (one
-# standard error).
-REPS = 30
+# Repetitions: the per-repetition ratio of Block to baseline varies by 5-10% on a shared
+# 2-core host (two ranks, one thread each), and 30 left a 96% interval about 12% wide; 60
+# narrow it by about 30% (1 / sqrt 2).
+REPS = 60
 
 VARIANTS = {  # name: (residual mode, payload, path)
     "block_packed": ("block", "packed", "new"),
@@ -96,6 +96,17 @@ def run(
             )
             / _compute_per_micro_batch(raw, "baseline", slowest),
         },
+        # per stage and micro-batch: the compute Block adds and the C kernels' time it adds
+        "block_extra_ms": [
+            {
+                "stage": stage,
+                "compute": _compute_per_micro_batch(raw, "block_packed", stage)
+                - _compute_per_micro_batch(raw, "baseline", stage),
+                "kernels": _stage_ms(raw, "block_packed", stage, "kernel")
+                - _stage_ms(raw, "baseline", stage, "kernel"),
+            }
+            for stage in sorted(r["stage"] for r in raw["variants"]["baseline"]["stages"])
+        ],
         "wire_bytes_equal_prediction": all(
             row["equal"] for v in raw["variants"].values() for row in v["wire"]
         ),
@@ -170,6 +181,7 @@ def _worker(args) -> None:
 
     from attnres_dist.bench.model_bench import path_overrides
     from attnres_dist.bench.peak_memory import peak_bytes
+    from attnres_dist.ops.cpu_library import kernel_clock
     from attnres_dist.pipeline.contract import boundary_specs_for_config
     from attnres_dist.profile.schedule import ScheduleTimer
     from attnres_dist.profile.wire import WireTap
@@ -194,6 +206,7 @@ def _worker(args) -> None:
     rank = dist.get_rank()
     names = list(VARIANTS)
     times = {name: [] for name in names}
+    kernel_s = {name: [] for name in names}  # seconds per step inside the C kernels
     step_variant = {}
     counter = 0
     engines = [t.engine.engine for t in trainers.values()]
@@ -211,10 +224,12 @@ def _worker(args) -> None:
             step_variant[counter] = name
             timers[name].enabled = rep >= args.warmup
             step = functools.partial(trainers[name].engine.train_step, micro)
-            elapsed = job.timed_step(functools.partial(timers[name].run_step, counter, step))
+            with kernel_clock() as clock:
+                elapsed = job.timed_step(functools.partial(timers[name].run_step, counter, step))
             counter += 1
             if rep >= args.warmup:
                 times[name].append(elapsed)
+                kernel_s[name].append(sum(clock.values()))
     memory = {}
     for name in names:  # untimed: the profiler's allocation records slow the step down
         micro = trainers[name].micro_batches(args.warmup + args.reps)
@@ -224,7 +239,16 @@ def _worker(args) -> None:
         peak, method = peak_bytes(lambda e=engine, m=micro: e.train_step(m), device)
         memory[name] = {"stage": rank, "peak_bytes": peak, "method": method}
     transfers = [t.to_dict() | {"boundary": t.boundary} for t in tap.transfers]
-    compute = {n: _compute_ms(timer.events) | {"memory": memory[n]} for n, timer in timers.items()}
+    compute = {
+        n: _compute_ms(timer.events)
+        | {
+            "memory": memory[n],
+            # the C kernels' time per micro-batch (depth mixing and norms), beside the
+            # stage's forward + backward: how much of Block's extra compute they are
+            "kernel_ms": statistics.median(kernel_s[n]) * 1e3 / engines[i].micro_batches,
+        }
+        for i, (n, timer) in enumerate(timers.items())
+    }
     gathered = job.gather_to_first((transfers, compute))
     out = None
     if rank == 0:

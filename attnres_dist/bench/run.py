@@ -5,7 +5,8 @@ pipeline benchmark (``pipeline_bench``, a 2-rank torchrun job), the precision be
 (``precision_bench``: fp32 vs DeepSpeed's bf16 engine vs ZeRO-1 at dp = 2, a 2-rank job), the
 model benchmark
 (``model_bench``, in this process: AttnRes / baseline step time at three shapes, old path vs
-new; tokens/s against a plain-PyTorch GPT), the generation benchmark (``generation_bench``,
+new, and what AttnRes's extra time is made of: ``extra_time``; tokens/s against a
+plain-PyTorch GPT), the generation benchmark (``generation_bench``,
 in this process) and the RMSNorm benchmark (``norm_bench``: the C kernel against torch's, and the
 fused merge + norm against the two kernels composed) and the core binding benchmark
 (``binding_bench``: a pp = 2 step with each rank on its own cores vs on the scheduler's,
@@ -31,6 +32,7 @@ from attnres_dist.bench import (
     pipeline_bench,
     precision_bench,
 )
+from attnres_dist.bench.extra_time import fixed_cost_rows, kernel_rows, pipeline_kernel_rows
 
 
 def _stage_ms(variants: dict, name: str, stage: int, kind: str = "backward") -> str:
@@ -120,34 +122,6 @@ def generation_rows(gen: dict) -> list[str]:
     ]
 
 
-def fixed_cost_rows(model: dict) -> list[str]:
-    """AttnRes's extra step time on a few tokens beside its extra time at full size."""
-    fixed, c = model["fixed_cost"], model["config"]
-    tokens = next(iter(fixed.values()))["tokens"]
-
-    def cells(group: dict) -> str:
-        ratio = "n/a" if group["ratio"] is None else f"{group['ratio']:.2f}"
-        return f"{group['extra_ms_full_size']:.1f} | {group['extra_ms']:.1f} | {ratio}"
-
-    lines = [
-        "",
-        f"What does not scale with tokens: AttnRes's extra step time (ms, new path, paired "
-        f"medians) at {c['batch']} x {c['seq']} tokens and on one {tokens}-token sequence, "
-        "where the arithmetic is next to nothing and what remains is per-call cost (Python, "
-        "autograd nodes, dispatch, the optimizer's extra tensors) with warm caches. At full "
-        "size the same calls run between kernels that leave the caches cold, so the ratio "
-        "says how much of the extra time is per-call work, not what removing it would save "
-        "(docs/kernels.md, 'Calls').",
-        "",
-        f"| shape | Block extra, full size | Block extra, {tokens} tokens | ratio | "
-        f"Full extra, full size | Full extra, {tokens} tokens | ratio |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for shape, group in fixed.items():
-        lines.append(f"| {shape} | {cells(group['block'])} | {cells(group['full'])} |")
-    return lines
-
-
 def _model_rows(model: dict) -> list[str]:
     """AttnRes / baseline per shape (old path beside new) and tokens/s against plain PyTorch."""
     c = model["config"]
@@ -199,7 +173,7 @@ def _model_rows(model: dict) -> list[str]:
             f"| {shape} | {r['block_over_baseline_new']:.3f} ({r['block_over_baseline_old']:.3f}) "
             f"| {r['full_over_baseline_new']:.3f} ({r['full_over_baseline_old']:.3f}) | {calls} |"
         )
-    lines += fixed_cost_rows(model)
+    lines += fixed_cost_rows(model) + kernel_rows(model)
     t = model["throughput"]
     v, r = t["variants"], t["ratios"]
     lines += [
@@ -306,6 +280,7 @@ def summary_markdown(
         f"| stage {pipe['bottleneck_stage']} compute per micro-batch, Block AttnRes / baseline "
         f"| {p['bottleneck_stage_compute_block_over_baseline']:.3f} | pp = 2, new path: the "
         f"slowest stage's forward + backward, without the waits |",
+        *pipeline_kernel_rows(pipe),
         f"| pipeline step time, Block AttnRes / baseline, old path | "
         f"{p['step_time_block_over_baseline_old']:.3f} | pp = 2: {ms['block_old']:.1f} ms vs "
         f"{ms['baseline_old']:.1f} ms |",
