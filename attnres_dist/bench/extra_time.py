@@ -50,8 +50,9 @@ def kernel_rows(model: dict) -> list[str]:
         "the baseline's are its RMSNorms, Block's and Full's the depth mixing (phase 1, the "
         "merges with their norms) and the norms outside it. 'Kernels' extra' is the paired "
         "median of the kernel time AttnRes adds, 'share' its quotient with the extra step "
-        "time: near 1, the kernels (whose time is memory traffic, docs/kernels.md) are the "
-        "whole overhead and the Python, autograd and store around them cost nothing net.",
+        "time. The rest of the extra time is outside the kernels: per-call work, and the ops "
+        "both models run slowed by AttnRes's larger working set (docs/kernels.md, 'Kernel "
+        "time against extra time').",
         "",
         "| shape | mode | kernels, baseline | kernels, AttnRes | extra step time | "
         "kernels' extra | share | AttnRes kernels by entry point |",
