@@ -114,8 +114,11 @@ def _step(impl, inputs, device):
 
 def measure(impl, inputs, device, reps: int, warmup: int) -> dict:
     """Median forward and forward + backward milliseconds and the peak memory beyond inputs."""
-    for _ in range(warmup):
+    first = time.perf_counter()
+    for i in range(warmup):
         _step(impl, inputs, device)
+        if i == 0:  # JIT compilation and autotuning happen here
+            first = time.perf_counter() - first
     peak = None
     if device.type == "cuda":
         _sync(device)
@@ -132,6 +135,7 @@ def measure(impl, inputs, device, reps: int, warmup: int) -> dict:
         "forward_ms": statistics.median(fwd),
         "fwd_bwd_ms": statistics.median(total),
         "peak_extra_mib": None if peak is None else peak / (1 << 20),
+        "first_call_s": first if warmup else None,
     }
 
 
@@ -197,6 +201,10 @@ def run(
                 ref = block_attention(get_depth_attention("reference"), *inputs[:4])
             for name in usable:
                 row = {**shape, "impl": name}
+                if time.perf_counter() - start > time_budget_s:
+                    spent = f"time budget of {time_budget_s:.0f} s spent"
+                    results.append({**row, "skipped": spent})
+                    continue
                 try:
                     row.update(measure(get_depth_attention(name), inputs, device, reps, warmup))
                     with torch.no_grad():
@@ -208,6 +216,7 @@ def run(
                 except Exception as exc:  # one failing kernel must not end the whole check
                     row["error"] = _first_line(exc)
                 results.append(row)
+                print(f"kernel_bench {json.dumps(row, default=str)}", flush=True)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             del inputs, ref

@@ -155,6 +155,12 @@ def markdown(summary: dict) -> str:
         for s in summary["steps"]
     ]
     out += _table(["step", "status", "seconds", "what", "note"], rows)
+    side = sorted({s.get("lane", 0) for s in summary["steps"]} - {0})
+    if len(side) > 1:
+        lanes = [
+            ", ".join(s["name"] for s in summary["steps"] if s.get("lane", 0) == k) for k in side
+        ]
+        out += [f"These ran side by side: {' | '.join(lanes)}; the rest ran alone.", ""]
     for s in summary["steps"]:
         if s["status"] in ("failed", "timeout") and s.get("tail"):
             out += [f"`{s['name']}` {s['status']}; the end of its output:", "", "```"]

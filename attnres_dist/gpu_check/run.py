@@ -9,8 +9,10 @@ with ``--no-deps``, ``docker/check_base.py``, ``check-config``. The base Python 
 virtualenv (the GPU machine's is), whose packages ``--system-site-packages`` would not see: a
 ``.pth`` file adds its site-packages after the new venv's own, which is what that option means
 for a system Python. Every later step runs ``python -m attnres_dist.gpu_check.steps NAME`` with
-the venv's Python, in its own process (a crash or a CUDA error ends one step only), under a
-time limit cut to what is left of the budget. ``--dry-run`` does the same on a CPU: pip only
+the venv's Python, in its own process group (a crash or a CUDA error ends one step only; a
+timeout kills what the step started), under a time limit cut to what is left of the budget and
+passed to it as ``GPU_CHECK_STEP_S``. The timed steps run alone; then the CUDA tests run beside
+the training smoke runs. ``--dry-run`` does the same on a CPU: pip only
 resolves (``--dry-run``), the steps use tiny sizes and skip what needs CUDA, with the reason.
 
 DIR receives ``gpu.md``, ``gpu_check.json`` (every step's status and result) and ``steps.log``.
@@ -19,12 +21,15 @@ DIR receives ``gpu.md``, ``gpu_check.json`` (every step's status and result) and
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +44,7 @@ class Step:
     name: str
     cap_s: int  # the step's own time limit (cut further to what is left of the budget)
     what: str
+    lane: int = 0  # 0: alone, in order, before the rest; 1, 2: those two lanes run side by side
 
 
 # in order of importance: the budget may run out before the end
@@ -49,36 +55,45 @@ INSTALL = (
     Step("check_base", 60, "docker/check_base.py (expects an NGC base: TE and apex)"),
     Step("bench_extras", 60, "fla-core and flash-attn-res from the wheels (outside kernels)"),
 )
+# The timed steps run alone; then the correctness tests (mostly Triton compiles, on the CPUs)
+# run beside the training smoke runs, whose tokens/s are then a lower bound.
 STEPS = (
     Step("machine", 60, "nvidia-smi, versions, the runtime's fast-path choices"),
-    Step("train_tiny", 150, "configs/tiny.yaml on one GPU, bf16, local spec (TE spec if present)"),
-    Step("generate", 120, "export the tiny run, generate on the GPU"),
+    Step("depth_attention", 120, "depth-attention implementations: time and memory"),
     Step("step_time", 150, "step time at the 125M shape: baseline vs Block vs Full AttnRes"),
-    Step("cuda_tests", 150, "pytest -m cuda"),
-    Step("depth_attention", 110, "depth-attention implementations: time and memory"),
-    Step("train_125m", 120, "configs/gpt-125m.yaml on one GPU, bf16, a few steps"),
+    Step("cuda_tests", 240, "pytest -m cuda (beside the training runs)", lane=1),
+    Step("train_tiny", 150, "configs/tiny.yaml on one GPU, bf16, local spec (TE if present)", 2),
+    Step("generate", 120, "export the tiny run, generate on the GPU", lane=2),
+    Step("train_125m", 120, "configs/gpt-125m.yaml on one GPU, bf16, a few steps", lane=2),
 )
 MIN_STEP_S = 15  # a step with less time left than this is skipped
 
 
 def _run(cmd, log, timeout: float, env=None, cwd=REPO) -> tuple[str, int | None, str]:
-    """(status, exit code, output tail) of one command, its output appended to ``log``."""
+    """(status, exit code, output tail) of one command, its output appended to ``log``.
+
+    The command runs in its own session, so a timeout kills what it started too (a step's
+    pytest, say), not only the step's own process: an orphan would share the GPU with the
+    next step. What it printed before the timeout is kept."""
     log.write(f"\n$ {' '.join(map(str, cmd))}\n")
     log.flush()
+    proc = subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        proc = subprocess.run(
-            [str(c) for c in cmd],
-            cwd=cwd,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else ""
-        log.write(out + f"\n[timed out after {timeout:.0f} s]\n")
-        return "timeout", None, out[-1500:]
-    out = proc.stdout + proc.stderr
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        log.write((out or "") + f"\n[timed out after {timeout:.0f} s]\n")
+        log.flush()
+        return "timeout", None, (out or "")[-1500:]
     log.write(out)
     log.flush()
     return ("ok" if proc.returncode == 0 else "failed"), proc.returncode, out[-1500:]
@@ -161,33 +176,55 @@ def install_steps(venv: Path, wheels: Path, work: Path, dry: bool, log, left) ->
     return records
 
 
-def run_steps(py: Path, work: Path, dry: bool, log, left, only=None) -> list[dict]:
-    records = []
+def _run_step(step: Step, py: Path, work: Path, dry: bool, log, left) -> dict:
+    timeout = min(step.cap_s, left())
+    record = {"name": step.name, "what": step.what, "lane": step.lane}
+    if timeout < MIN_STEP_S:
+        return record | {"status": "skipped", "note": "no time left in the budget"}
+    # the step's own limit, so a step that can stop early (pytest, the kernel bench) does
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
-    for step in STEPS:
-        if only and step.name not in only:
-            continue
-        timeout = min(step.cap_s, left())
-        record = {"name": step.name, "what": step.what}
-        if timeout < MIN_STEP_S:
-            records.append(record | {"status": "skipped", "note": "no time left in the budget"})
-            continue
-        result_file = work / f"{step.name}.json"
-        cmd = [py, "-m", "attnres_dist.gpu_check.steps", step.name, "--work", work]
-        cmd += ["--result", result_file, *(["--dry-run"] if dry else [])]
-        start = time.monotonic()
-        status, rc, tail = _run(cmd, log, timeout, env=env)
-        record |= {"status": status, "rc": rc, "seconds": round(time.monotonic() - start, 1)}
-        if result_file.is_file():
-            result = json.loads(result_file.read_text())
-            record["result"] = result
-            if status == "ok" and result.get("skipped"):
-                record["status"] = "skipped"
-                record["note"] = result["skipped"]
-        if status != "ok":
-            record["tail"] = tail
-        records.append(record)
-    return records
+    env["GPU_CHECK_STEP_S"] = f"{timeout:.0f}"
+    result_file = work / f"{step.name}.json"
+    cmd = [py, "-m", "attnres_dist.gpu_check.steps", step.name, "--work", work]
+    cmd += ["--result", result_file, *(["--dry-run"] if dry else [])]
+    start = time.monotonic()
+    status, rc, tail = _run(cmd, log, timeout, env=env)
+    record |= {"status": status, "rc": rc, "seconds": round(time.monotonic() - start, 1)}
+    if result_file.is_file():
+        result = json.loads(result_file.read_text())
+        record["result"] = result
+        if status == "ok" and result.get("skipped"):
+            record["status"] = "skipped"
+            record["note"] = result["skipped"]
+    if status != "ok":
+        record["tail"] = tail
+    return record
+
+
+def run_steps(py: Path, work: Path, dry: bool, log, left, only=None) -> list[dict]:
+    """Lane 0's steps one after another, then the other lanes side by side (threads, each
+    step still its own process); records in STEPS order."""
+    chosen = [s for s in STEPS if not only or s.name in only]
+    records: dict[str, dict] = {}
+
+    def lane(steps, out) -> None:
+        for step in steps:
+            records[step.name] = _run_step(step, py, work, dry, out, left)
+
+    lane([s for s in chosen if s.lane == 0], log)
+    side = sorted({s.lane for s in chosen} - {0})
+    buffers = {k: io.StringIO() for k in side}
+    threads = [
+        threading.Thread(target=lane, args=([s for s in chosen if s.lane == k], buffers[k]))
+        for k in side
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for k in side:
+        log.write(f"\n# lane {k} (ran beside the other lanes)\n" + buffers[k].getvalue())
+    return [records[s.name] for s in chosen]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,8 +14,10 @@ import argparse
 import importlib.metadata as md
 import inspect
 import json
+import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -86,24 +88,63 @@ def machine(work: Path, dry: bool) -> dict:
     return info
 
 
+# The project's own kernels first; the outside kernels (fla autotunes 24 configurations per new
+# shape) last, so a run cut short by its time limit has tested the project's first.
+TEST_ORDER = ("test_triton_two_phase.py", "test_cuda.py", "test_export.py")
+
+
+def _step_limit_s(default: float) -> float:
+    """What the driver gives this step (``GPU_CHECK_STEP_S``), else ``default``."""
+    return float(os.environ.get("GPU_CHECK_STEP_S", default))
+
+
 def cuda_tests(work: Path, dry: bool) -> dict:
     """``pytest -m cuda`` over the test files that have such tests (on a CPU every one of them
-    is skipped with its reason)."""
-    files = sorted(
+    is skipped with its reason). It stops 15 s before the step's limit and reports what ran."""
+    files = [
         str(p.relative_to(REPO))
         for p in (REPO / "tests").glob("test_*.py")
         if "pytest.mark.cuda" in p.read_text()
+    ]
+    files.sort(key=lambda f: (TEST_ORDER + (Path(f).name,)).index(Path(f).name))
+    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "cuda", "-rs"]
+    cmd += ["--durations=10", *files]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", "-rs"]
-    proc = subprocess.run(cmd + files, cwd=REPO, capture_output=True, text=True)
-    lines = (proc.stdout + proc.stderr).strip().splitlines()
-    summary = lines[-1] if lines else ""
-    counts = {
-        k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|deselected)", summary)
-    }
+    try:
+        out, _ = proc.communicate(timeout=max(_step_limit_s(600) - 15, 10))
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        timed_out = True
+    lines = (out or "").strip().splitlines()
+    outcomes = re.findall(r"^(tests/\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL)", out or "", re.M)
+    counts: dict[str, int] = {}
+    for _, outcome in outcomes:
+        counts[outcome.lower()] = counts.get(outcome.lower(), 0) + 1
+    if timed_out:
+        summary = "stopped at the step's time limit after " + (
+            ", ".join(f"{v} {k}" for k, v in counts.items()) or "no test"
+        )
+    else:
+        summary = lines[-1] if lines else ""
     result = {"files": files, "rc": proc.returncode, "summary": summary, "counts": counts}
+    result["failed"] = [name for name, outcome in outcomes if outcome in ("FAILED", "ERROR")]
     result["tail"] = lines[-25:]
-    if proc.returncode not in (0, 5):  # 5: nothing collected
+    if (
+        counts.get("failed")
+        or counts.get("error")
+        or (
+            not timed_out and proc.returncode not in (0, 5)  # 5: nothing collected
+        )
+    ):
         raise RuntimeError(f"pytest -m cuda: {summary}\n" + "\n".join(lines[-40:]))
     return result
 
@@ -127,7 +168,11 @@ def _depth_attention_timing(dry: bool) -> list[dict]:
     gain = torch.ones(dim, device=device, requires_grad=True)
     grad = torch.randn(tokens, dim, generator=gen).to(device, dtype)
     rows = []
+    deadline = time.monotonic() + _step_limit_s(150) / 2 - 10
     for name in available_depth_attention_impls():
+        if time.monotonic() > deadline:
+            rows.append({"impl": name, "skipped": "the step's time limit"})
+            continue
         impl = get_depth_attention(name)
         why = impl.requirement() if device.type in impl.devices else f"no {device.type} support"
         row = {"impl": name, "device": str(device), "shape": [n, tokens, dim], "dtype": str(dtype)}
@@ -149,6 +194,7 @@ def _depth_attention_timing(dry: bool) -> list[dict]:
                 times.append(time.perf_counter() - start)
             del out
         row["fwd_bwd_ms"] = round(1e3 * statistics.median(times), 3)
+        print(f"registry {name}: {row['fwd_bwd_ms']} ms", flush=True)
         if cuda:
             row["peak_extra_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
         rows.append(row)
@@ -164,7 +210,9 @@ def depth_attention(work: Path, dry: bool) -> dict:
         result["kernel_bench"] = f"not available ({exc})"
     else:
         accepts = inspect.signature(kernel_bench.run).parameters
-        options = {"time_budget_s": 30.0 if dry else 60.0} if "time_budget_s" in accepts else {}
+        # half the step's limit; the registry's timing below gets the rest
+        budget = 30.0 if dry else max(_step_limit_s(150) / 2, 30.0)
+        options = {"time_budget_s": budget} if "time_budget_s" in accepts else {}
         if "dry_run" in accepts:
             options["dry_run"] = dry
         elif dry:
