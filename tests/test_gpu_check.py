@@ -74,3 +74,78 @@ def test_dry_run_runs_every_step_and_skips_only_what_needs_cuda(dry_run):
     for heading in ("## Steps", "## Machine", "## Step time", "## Generate", "## Running it"):
         assert heading in md
     assert 'carry:     [".whl"]' in md
+
+
+def _wheel(folder, name: str, requires: str):
+    """A minimal pure-Python wheel of ``name`` 1.0 that requires ``requires``."""
+    import zipfile
+
+    dist = f"{name}-1.0.dist-info"
+    files = {
+        f"{name}/__init__.py": "VALUE = 1\n",
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n"
+        f"Requires-Dist: {requires}\n",
+        f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+    }
+    files[f"{dist}/RECORD"] = "".join(f"{p},,\n" for p in files) + f"{dist}/RECORD,,\n"
+    path = folder / f"{name}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        for p, text in files.items():
+            zf.writestr(p, text)
+    return path
+
+
+def test_unresolvable_wheels_are_installed_without_deps_and_the_conflict_reported(tmp_path):
+    """On the GPU image, pins of its own can leave pip no solution for the carried wheels;
+    the check then installs them with --no-deps (a real pip into a real venv) and says so."""
+    import io
+
+    from attnres_dist.gpu_check import run
+
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    _wheel(wheels, "carriedpkg", "absent-dependency>=1")
+    venv = tmp_path / "venv"
+    subprocess.run(
+        [str(VENV_BIN / "python"), "-m", "venv", "--without-pip", "--system-site-packages", venv],
+        check=True,
+    )
+    site = next((venv / "lib").glob("python*/site-packages"))
+    base = [str(p) for p in (VENV_BIN.parent / "lib").glob("python*/site-packages")]
+    (site / "_base.pth").write_text("\n".join(base) + "\n")
+    py = venv / "bin" / "python"
+    log = io.StringIO()
+    pip = [py, "-m", "pip", "install", "--no-index", "--find-links", wheels, "carriedpkg"]
+    status, _, tail = run._run(pip, log, 120)
+    assert status == "failed" and "absent-dependency" in tail  # the resolver's refusal
+    record = run._install_carried(py, wheels, log, tail, 120)
+    assert record["status"] == "ok", record
+    assert "installed the carried wheels with --no-deps" in record["note"]
+    assert "absent-dependency" in record["note"]  # pip check's complaint, named
+    probe = subprocess.run(
+        [py, "-c", "import carriedpkg; print(carriedpkg.VALUE)"], capture_output=True, text=True
+    )
+    assert probe.stdout.strip() == "1", probe.stderr
+
+
+def test_a_step_past_its_limit_is_killed_with_what_it_started_and_its_output_kept():
+    """An orphan of a timed-out step (its pytest, say) would share the GPU with the next."""
+    import io
+    import time
+    from pathlib import Path
+
+    from attnres_dist.gpu_check import run
+
+    log = io.StringIO()
+    script = "sleep 60 & echo child=$!; wait"
+    start = time.monotonic()
+    status, rc, tail = run._run(["bash", "-c", script], log, 2)
+    assert status == "timeout" and rc is None
+    assert time.monotonic() - start < 30
+    pid = int(tail.split("child=")[1].split()[0])
+    time.sleep(0.2)
+    stat = Path(f"/proc/{pid}/stat")
+    # gone, or a zombie where the container's init does not reap orphans
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    assert "[timed out after 2 s]" in log.getvalue()

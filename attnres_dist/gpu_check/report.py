@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 RUN = (
-    "make gpu-wheels   # once, on a CPU machine with network: .whl/ (git-ignored, ~23.5 MB)\n"
+    "make gpu-wheels   # once, on a CPU machine with network: .whl/ (git-ignored, ~50 MB)\n"
     "# then, from the session that has a GPU, the device tool's run with\n"
     '#   command:   "bash launch/gpu_check.sh"\n'
     '#   carry:     [".whl"]\n'
