@@ -69,14 +69,11 @@ STEPS = (
 MIN_STEP_S = 15  # a step with less time left than this is skipped
 
 
-def _run(cmd, log, timeout: float, env=None, cwd=REPO) -> tuple[str, int | None, str]:
-    """(status, exit code, output tail) of one command, its output appended to ``log``.
-
-    The command runs in its own session, so a timeout kills what it started too (a step's
-    pytest, say), not only the step's own process: an orphan would share the GPU with the
-    next step. What it printed before the timeout is kept."""
-    log.write(f"\n$ {' '.join(map(str, cmd))}\n")
-    log.flush()
+def run_group(cmd, timeout: float, env=None, cwd=REPO) -> tuple[int | None, str]:
+    """(exit code, or None past ``timeout``; stdout and stderr) of a command in its own
+    session: a timeout kills what it started too (a step's pytest, say), not only its own
+    process, since an orphan would share the GPU with the next step. What it printed before
+    the timeout is kept."""
     proc = subprocess.Popen(
         [str(c) for c in cmd],
         cwd=cwd,
@@ -91,12 +88,20 @@ def _run(cmd, log, timeout: float, env=None, cwd=REPO) -> tuple[str, int | None,
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        log.write((out or "") + f"\n[timed out after {timeout:.0f} s]\n")
-        log.flush()
-        return "timeout", None, (out or "")[-1500:]
-    log.write(out)
+        return None, out or ""
+    return proc.returncode, out
+
+
+def _run(cmd, log, timeout: float, env=None, cwd=REPO) -> tuple[str, int | None, str]:
+    """(status, exit code, output tail) of one command (``run_group``), its output appended
+    to ``log``."""
+    log.write(f"\n$ {' '.join(map(str, cmd))}\n")
     log.flush()
-    return ("ok" if proc.returncode == 0 else "failed"), proc.returncode, out[-1500:]
+    rc, out = run_group(cmd, timeout, env=env, cwd=cwd)
+    log.write(out + (f"\n[timed out after {timeout:.0f} s]\n" if rc is None else ""))
+    log.flush()
+    status = "timeout" if rc is None else "ok" if rc == 0 else "failed"
+    return status, rc, out[-1500:]
 
 
 def _venv_python(venv: Path) -> Path:

@@ -17,12 +17,13 @@ import json
 import os
 import platform
 import re
-import signal
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from attnres_dist.gpu_check.run import run_group
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = (
@@ -109,24 +110,11 @@ def cuda_tests(work: Path, dry: bool) -> dict:
     files.sort(key=lambda f: (TEST_ORDER + (Path(f).name,)).index(Path(f).name))
     cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "cuda", "-rs"]
     cmd += ["--durations=10", *files]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=max(_step_limit_s(600) - 15, 10))
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        timed_out = True
-    print(out or "", flush=True)  # every test's outcome into the check's log
-    lines = (out or "").strip().splitlines()
-    outcomes = re.findall(r"^(tests/\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL)", out or "", re.M)
+    rc, out = run_group(cmd, max(_step_limit_s(600) - 15, 10))
+    timed_out = rc is None
+    print(out, flush=True)  # every test's outcome into the check's log
+    lines = out.strip().splitlines()
+    outcomes = re.findall(r"^(tests/\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL)", out, re.M)
     counts: dict[str, int] = {}
     for _, outcome in outcomes:
         counts[outcome.lower()] = counts.get(outcome.lower(), 0) + 1
@@ -136,16 +124,11 @@ def cuda_tests(work: Path, dry: bool) -> dict:
         )
     else:
         summary = lines[-1] if lines else ""
-    result = {"files": files, "rc": proc.returncode, "summary": summary, "counts": counts}
+    result = {"files": files, "rc": rc, "summary": summary, "counts": counts}
     result["failed"] = [name for name, outcome in outcomes if outcome in ("FAILED", "ERROR")]
     result["tail"] = lines[-25:]
-    if (
-        counts.get("failed")
-        or counts.get("error")
-        or (
-            not timed_out and proc.returncode not in (0, 5)  # 5: nothing collected
-        )
-    ):
+    broke = not timed_out and rc not in (0, 5)  # 5: nothing collected
+    if counts.get("failed") or counts.get("error") or broke:
         raise RuntimeError(f"pytest -m cuda: {summary}\n" + "\n".join(lines[-40:]))
     return result
 
