@@ -119,11 +119,12 @@ def _step(impl, inputs, device):
 
 def measure(impl, inputs, device, reps: int, warmup: int) -> dict:
     """Median forward and forward + backward milliseconds and the peak memory beyond inputs."""
-    first = time.perf_counter()
+    first_call_s = None  # the first call's wall time: JIT compilation and autotuning
     for i in range(warmup):
+        t0 = time.perf_counter()
         _step(impl, inputs, device)
-        if i == 0:  # JIT compilation and autotuning happen here
-            first = time.perf_counter() - first
+        if i == 0:
+            first_call_s = time.perf_counter() - t0
     peak = None
     if device.type == "cuda":
         _sync(device)
@@ -140,7 +141,7 @@ def measure(impl, inputs, device, reps: int, warmup: int) -> dict:
         "forward_ms": statistics.median(fwd),
         "fwd_bwd_ms": statistics.median(total),
         "peak_extra_mib": None if peak is None else peak / (1 << 20),
-        "first_call_s": first if warmup else None,
+        "first_call_s": first_call_s,
     }
 
 

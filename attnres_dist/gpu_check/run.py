@@ -112,6 +112,18 @@ def _base_site_packages() -> list[str]:
     return [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
 
 
+def make_venv(venv: Path, log, timeout: float) -> tuple[str, int | None, str]:
+    """A virtualenv over this interpreter's packages (``_run``'s result): the base may itself
+    be a virtualenv, whose site-packages ``--system-site-packages`` would not see, so a
+    ``.pth`` file adds them after the venv's own."""
+    cmd = [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv]
+    status, rc, tail = _run(cmd, log, timeout)
+    if status == "ok":
+        site = next((venv / "lib").glob("python*/site-packages"))
+        (site / "_gpu_check_base.pth").write_text("\n".join(_base_site_packages()) + "\n")
+    return status, rc, tail
+
+
 def _install_carried(py: Path, wheels: Path, log, tail: str, timeout: float) -> dict:
     """When pip cannot resolve the list against the machine's own packages (an image's
     pins differ from the tested versions), install every carried wheel with ``--no-deps``:
@@ -144,14 +156,7 @@ def install_steps(venv: Path, wheels: Path, work: Path, dry: bool, log, left) ->
         if timeout < MIN_STEP_S:
             record |= {"status": "skipped", "note": "no time left"}
         elif step.name == "venv":
-            status, rc, tail = _run(
-                [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv],
-                log,
-                timeout,
-            )
-            if status == "ok":
-                site = next((venv / "lib").glob("python*/site-packages"))
-                (site / "_gpu_check_base.pth").write_text("\n".join(_base_site_packages()) + "\n")
+            status, rc, tail = make_venv(venv, log, timeout)
             record |= {"status": status, "rc": rc, "tail": tail}
         elif step.name == "requirements":
             reqs = work / "requirements.txt"

@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from attnres_dist.gpu_check.run import run_group
@@ -115,9 +116,7 @@ def cuda_tests(work: Path, dry: bool) -> dict:
     print(out, flush=True)  # every test's outcome into the check's log
     lines = out.strip().splitlines()
     outcomes = re.findall(r"^(tests/\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL)", out, re.M)
-    counts: dict[str, int] = {}
-    for _, outcome in outcomes:
-        counts[outcome.lower()] = counts.get(outcome.lower(), 0) + 1
+    counts = dict(Counter(outcome.lower() for _, outcome in outcomes))
     if timed_out:
         summary = "stopped at the step's time limit after " + (
             ", ".join(f"{v} {k}" for k, v in counts.items()) or "no test"
@@ -191,7 +190,8 @@ def _depth_attention_timing(dry: bool, deadline: float) -> list[dict]:
 def depth_attention(work: Path, dry: bool) -> dict:
     """``bench.kernel_bench.run`` when it exists, and each registered implementation timed."""
     result = {}
-    deadline = time.monotonic() + _step_limit_s(150) - 20  # the registry's timing stops here
+    limit_s = _step_limit_s(150)
+    deadline = time.monotonic() + limit_s - 20  # the registry's timing stops here
     try:
         from attnres_dist.bench import kernel_bench
     except ImportError as exc:
@@ -199,7 +199,7 @@ def depth_attention(work: Path, dry: bool) -> dict:
     else:
         accepts = inspect.signature(kernel_bench.run).parameters
         # half the step's limit; the registry's timing below gets the rest
-        budget = 30.0 if dry else max(_step_limit_s(150) / 2, 30.0)
+        budget = 30.0 if dry else max(limit_s / 2, 30.0)
         options = {"time_budget_s": budget} if "time_budget_s" in accepts else {}
         if "dry_run" in accepts:
             options["dry_run"] = dry
