@@ -20,12 +20,14 @@ from tests.conftest import REPO, VENV_BIN, child_env
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
+    from attnres_dist.gpu_check.run import STEPS
+
     out = tmp_path_factory.mktemp("gpu_check")
     env = child_env()
     env.update(GPU_CHECK_DRY_RUN="1", PYTHON=str(VENV_BIN / "python"), OUT=str(out))
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(
-        ["bash", "launch/gpu_check.sh"],
+        ["bash", "launch/gpu_check.sh", "--only", *(s.name for s in STEPS)],  # every step
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -56,7 +58,7 @@ def test_dry_run_runs_every_step_and_skips_only_what_needs_cuda(dry_run):
     _, steps, md = dry_run
     for name in ("machine", "train_tiny", "generate", "step_time", "train_125m"):
         assert steps[name]["status"] == "ok", steps[name].get("tail")
-    for name in ("depth_attention", "cuda_tests"):
+    for name in ("depth_attention", "cuda_tests", "step_profile"):
         assert steps[name]["status"] == "ok", steps[name].get("tail")
     tiny = steps["train_tiny"]["result"]
     assert tiny["local"]["steps"] == 3 and tiny["local"]["final_loss"] > 0
@@ -69,6 +71,9 @@ def test_dry_run_runs_every_step_and_skips_only_what_needs_cuda(dry_run):
     assert gen["kv_cache"]["tokens_per_s"] > 0 and gen["recompute"]["tokens_per_s"] > 0
     registry = steps["depth_attention"]["result"]["registry"]
     assert {"lean", "reference"} <= {r["impl"] for r in registry if "fwd_bwd_ms" in r}
+    profile = {(r["mode"], r["impl"]): r for r in steps["step_profile"]["result"]["runs"]}
+    assert profile["block", "twophase"]["step_ms"] > 0 and profile["block", "twophase"]["top"]
+    assert "needs a CUDA device" in profile["block", "triton"]["skipped"]
     cuda = steps["cuda_tests"]["result"]["counts"]
     assert cuda.get("skipped", 0) >= 1 and not cuda.get("failed")
     for heading in ("## Steps", "## Machine", "## Step time", "## Generate", "## Running it"):
@@ -143,3 +148,29 @@ def test_a_step_past_its_limit_is_killed_with_what_it_started_and_its_output_kep
     # gone, or a zombie where the container's init does not reap orphans
     assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
     assert "[timed out after 2 s]" in log.getvalue()
+
+
+def test_the_report_renders_rows_cut_short_and_a_partial_profile():
+    """A registry row skipped at the step's limit has no device or shape; a profile cut at its
+    limit has the runs it measured. The report shows both instead of failing on them."""
+    from attnres_dist.gpu_check import report
+
+    registry = [
+        {"impl": "fla", "device": "cuda", "shape": [9, 8192, 768], "fwd_bwd_ms": 1.3},
+        {"impl": "lean", "skipped": "the step's time limit"},
+    ]
+    runs = [
+        {"mode": "baseline", "impl": "auto", "step_ms": 40.0, "busy_ms": 20.0, "top": []},
+        {"mode": "block", "impl": "triton", "step_ms": 90.0, "busy_ms": 28.0,
+         "top": [{"op": "_phase1_bwd", "calls": 8, "ms": 1.1}]},
+    ]  # fmt: skip
+    steps = [
+        {"name": "depth_attention", "what": "", "status": "ok", "result": {"registry": registry}},
+        {"name": "step_profile", "what": "", "status": "timeout", "result": {
+            "shape": "s", "runs": runs, "cut": "stopped at the step's time limit"}},
+    ]  # fmt: skip
+    summary = {"dry_run": False, "started": "t", "wall_s": 1, "budget_s": 2}
+    md = report.markdown(summary | {"base_python": "3.12", "wheels": [], "steps": steps})
+    assert "| lean |  |  |  |  |  | the step's time limit |" in md
+    assert "stopped at the step's time limit" in md
+    assert "| block | triton | 90.0 | 2.25 | 28.0 | _phase1_bwd 1.1 |  |" in md

@@ -94,6 +94,29 @@ def _step_time(steps: dict) -> list[str]:
     return out + _table(["mode", "model", "ms / step", "vs baseline", "peak GiB"], rows)
 
 
+def _step_profile(steps: dict) -> list[str]:
+    r = _result(steps, "step_profile")
+    if not r:
+        return ["(not run: `--only step_profile` runs it)", ""]
+    runs = [x for x in r.get("runs", []) if "step_ms" in x]
+    base = next((x["step_ms"] for x in runs if x["mode"] == "baseline"), None)
+    rows = [
+        [
+            x["mode"],
+            x["impl"],
+            x.get("step_ms", ""),
+            round(x["step_ms"] / base, 3) if base and "step_ms" in x else "",
+            x.get("busy_ms", ""),
+            "; ".join(f"{t['op'][:40]} {t['ms']}" for t in x.get("top", [])[:4]),
+            x.get("skipped", ""),
+        ]
+        for x in r.get("runs", [])
+    ]
+    header = ["mode", "impl", "ms / step", "vs baseline", "device busy ms", "top kernels (ms)"]
+    out = [f"Shape: {r.get('shape')}. {r.get('cut', '')}", ""]
+    return out + _table([*header, "skipped"], rows)
+
+
 def _depth_attention(steps: dict) -> list[str]:
     r = _result(steps, "depth_attention")
     if not r:
@@ -103,9 +126,9 @@ def _depth_attention(steps: dict) -> list[str]:
     rows = [
         [
             x["impl"],
-            x["device"],
-            x["dtype"],
-            x["shape"],
+            x.get("device", ""),
+            x.get("dtype", ""),
+            x.get("shape", ""),
             x.get("fwd_bwd_ms", ""),
             x.get("peak_extra_mib", ""),
             x.get("skipped", ""),
@@ -170,6 +193,7 @@ def markdown(summary: dict) -> str:
     out += ["## CUDA-marked tests", "", f"`pytest -m cuda`: {cuda.get('summary', 'did not run')}"]
     out += ["", "## Training smoke (one GPU)", "", *_training(steps)]
     out += ["## Step time: AttnRes vs baseline", "", *_step_time(steps)]
+    out += ["## Where the step's time goes", "", *_step_profile(steps)]
     out += ["## Depth attention", "", *_depth_attention(steps)]
     out += ["## Generate", "", *_generate(steps)]
     out += ["## Running it", "", "```", RUN, "```", ""]

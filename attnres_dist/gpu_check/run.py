@@ -45,6 +45,7 @@ class Step:
     cap_s: int  # the step's own time limit (cut further to what is left of the budget)
     what: str
     lane: int = 0  # 0: alone, in order, before the rest; 1, 2: those two lanes run side by side
+    default: bool = True  # False: runs only when named in --only
 
 
 # in order of importance: the budget may run out before the end
@@ -61,6 +62,7 @@ STEPS = (
     Step("machine", 60, "nvidia-smi, versions, the runtime's fast-path choices"),
     Step("depth_attention", 200, "depth-attention implementations: time and memory"),
     Step("step_time", 150, "step time at the 125M shape: baseline vs Block vs Full AttnRes"),
+    Step("step_profile", 150, "the step profiled per implementation (--only)", default=False),
     Step("cuda_tests", 240, "pytest -m cuda (beside the training runs)", lane=1),
     Step("train_tiny", 150, "configs/tiny.yaml on one GPU, bf16, local spec (TE if present)", 2),
     Step("generate", 120, "export the tiny run, generate on the GPU", lane=2),
@@ -236,7 +238,7 @@ def _run_step(step: Step, py: Path, work: Path, dry: bool, log, left) -> dict:
 def run_steps(py: Path, work: Path, dry: bool, log, left, only=None) -> list[dict]:
     """Lane 0's steps one after another, then the other lanes side by side (threads, each
     step still its own process); records in STEPS order."""
-    chosen = [s for s in STEPS if not only or s.name in only]
+    chosen = [s for s in STEPS if s.name in only] if only else [s for s in STEPS if s.default]
     records: dict[str, dict] = {}
 
     def lane(steps, out) -> None:

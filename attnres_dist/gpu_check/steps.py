@@ -100,9 +100,19 @@ def _step_limit_s(default: float) -> float:
     return float(os.environ.get("GPU_CHECK_STEP_S", default))
 
 
+def save_partial(result: dict) -> None:
+    """Write a step's result so far where the finished result goes: a step cut at its time
+    limit then still reports what it measured (the driver reads the file either way)."""
+    path = os.environ.get("GPU_CHECK_RESULT")
+    if path:
+        Path(path).write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+
 def cuda_tests(work: Path, dry: bool) -> dict:
     """``pytest -m cuda`` over the test files that have such tests (on a CPU every one of them
-    is skipped with its reason). It stops 15 s before the step's limit and reports what ran."""
+    is skipped with its reason; ``GPU_CHECK_PYTEST_K`` narrows it with ``-k``). A failure's
+    traceback is printed as it fails. It stops 15 s before the step's limit and reports what
+    ran."""
     files = [
         str(p.relative_to(REPO))
         for p in (REPO / "tests").glob("test_*.py")
@@ -110,7 +120,9 @@ def cuda_tests(work: Path, dry: bool) -> dict:
     ]
     files.sort(key=lambda f: (TEST_ORDER + (Path(f).name,)).index(Path(f).name))
     cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "cuda", "-rs"]
-    cmd += ["--durations=10", *files]
+    cmd += ["-p", "attnres_dist.gpu_check.pytest_now", "--tb=short", "--durations=10", *files]
+    if os.environ.get("GPU_CHECK_PYTEST_K"):  # a rerun of chosen tests only
+        cmd += ["-k", os.environ["GPU_CHECK_PYTEST_K"]]
     rc, out = run_group(cmd, max(_step_limit_s(600) - 15, 10))
     timed_out = rc is None
     print(out, flush=True)  # every test's outcome into the check's log
@@ -224,6 +236,7 @@ def _steps():
         "train_tiny": train_steps.train_tiny,
         "train_125m": train_steps.train_125m,
         "step_time": train_steps.step_time,
+        "step_profile": train_steps.step_profile,
         "generate": train_steps.generate,
     }
 
@@ -237,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    os.environ["GPU_CHECK_RESULT"] = args.result
     result = _steps()[args.name](work, args.dry_run)
     Path(args.result).write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(json.dumps(result, default=str)[:2000])
