@@ -4,7 +4,8 @@ docker/Dockerfile installs these, then the project itself with ``--no-deps``. Ev
 pyproject.toml's ``dependencies`` is kept, pins included (DeepSpeed and Megatron-Core versions
 are the project's), except what the NGC base already provides as a CUDA build: ``torch``.
 Installing PyPI's torch over it would drop the CUDA, NCCL, apex and Transformer Engine builds
-the base was made with (NGC's /etc/pip/constraint.txt refuses that anyway).
+the base was made with (NGC's /etc/pip/constraint.txt refuses that anyway). The ``gpu`` extra
+(fla-core's fused depth-attention kernel, ``auto``'s choice on CUDA) is added.
 
 Usage: python docker/requirements.py [pyproject.toml]
 """
@@ -17,6 +18,7 @@ import tomllib
 from pathlib import Path
 
 PROVIDED_BY_BASE = {"torch"}
+IMAGE_EXTRAS = ("gpu",)
 
 
 def requirement_name(requirement: str) -> str:
@@ -28,7 +30,9 @@ def requirement_name(requirement: str) -> str:
 
 def image_requirements(pyproject: Path) -> list[str]:
     project = tomllib.loads(pyproject.read_text())["project"]
-    return [r for r in project["dependencies"] if requirement_name(r) not in PROVIDED_BY_BASE]
+    extras = [r for name in IMAGE_EXTRAS for r in project["optional-dependencies"][name]]
+    wanted = [*project["dependencies"], *extras]
+    return [r for r in wanted if requirement_name(r) not in PROVIDED_BY_BASE]
 
 
 def main(argv: list[str]) -> int:

@@ -15,9 +15,9 @@ PLATFORM=(--only-binary=:all: --python-version 3.12 --implementation cp
           --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
           --platform manylinux1_x86_64)
 # megatron-core's cp312 wheel; DeepSpeed's requirements the image lacks; mpich for mpirun;
-# typing-extensions and packaging at the floors pydantic and megatron-core set; fla-core and
-# flash-attn-res (pure Python, the outside kernels) for the kernel benchmark on the GPU, which
-# has its own triton; transformers at the project's floor (the GPU image's is older) with the
+# typing-extensions and packaging at the floors pydantic and megatron-core set; fla-core (the
+# gpu extra: auto's depth-attention kernel on CUDA) and flash-attn-res (the kernel benchmark's
+# other outside kernel), both pure Python over the image's own triton and einops; transformers at the project's floor (the GPU image's is older) with the
 # huggingface-hub, tokenizers (the image's 0.23.2 wants a hub below 2), kernels and HTTP stack
 # it needs (pip installs only those the image lacks)
 "$PYTHON" -m pip download -q --no-deps "${PLATFORM[@]}" -d "$DEST" \

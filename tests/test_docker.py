@@ -64,7 +64,9 @@ def test_image_installs_the_project_pins_except_the_bases_torch():
     assert proc.returncode == 0, proc.stderr
     listed = proc.stdout.split()
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    assert [d for d in project["dependencies"] if not d.startswith("torch")] == listed
+    wanted = project["dependencies"] + project["optional-dependencies"]["gpu"]
+    assert [d for d in wanted if not d.startswith("torch")] == listed
+    assert "fla-core==0.6.0" in listed  # auto's depth-attention kernel on CUDA
     assert "deepspeed==0.19.8" in listed and "megatron-core==0.16.1" in listed
     assert not any(d.startswith("torch") for d in listed)
 

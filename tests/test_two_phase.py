@@ -263,6 +263,29 @@ def test_auto_and_refusals(monkeypatch):
     assert choice.value == "twophase" and "cpu_fused: no cc" in choice.reason
 
 
+@pytest.mark.parametrize(
+    "runnable, expected",
+    [({"fla", "triton"}, "fla"), ({"triton"}, "triton"), (set(), "twophase")],
+)
+def test_auto_on_cuda_prefers_fla_then_triton(monkeypatch, runnable, expected):
+    """On a GPU auto takes fla-core's kernel where it is installed (measured as fast or faster
+    than the project's on an H200, docs/gpu.md), else the project's Triton kernel, else the torch
+    ops; the reason names what was missing."""
+    from attnres_dist.ops import __dict__ as ops_ns
+    from attnres_dist.runtime.select import select_depth_attention
+
+    registry = dict(ops_ns["_REGISTRY"])
+    monkeypatch.setattr("attnres_dist.ops._REGISTRY", registry)
+    for name in ("fla", "triton"):
+        why = None if name in runnable else f"{name} is not installed"
+        impl = DepthAttentionImpl(name, depth_attention_reference, requirement=lambda w=why: w)
+        register_depth_attention(impl, overwrite=True)
+    choice = select_depth_attention("auto", "cuda")
+    assert choice.value == expected
+    if expected != "fla":
+        assert "fla is not installed" in choice.reason or "triton is not installed" in choice.reason
+
+
 def test_fused_cpu_kernels_refused_without_a_compiler(monkeypatch, tmp_path):
     """No working compiler: cpu_fused says why, naming it; auto falls back to the torch ops."""
     from attnres_dist.errors import ConfigError
