@@ -62,12 +62,15 @@ print(json.dumps({"diff": diff, "greedy": text, "deepspeed": "deepspeed" in sys.
 
 @pytest.fixture(scope="module")
 def trained(small_dataset, tmp_path_factory):
-    """(run dir, trained parameters, the model's logits on fixed tokens, those tokens)."""
+    """(run dir, trained parameters, the model's logits on fixed tokens, those tokens). fp32 set
+    explicitly: on a GPU ``auto`` would take bf16, whose engine is DeepSpeed's (no ``.model``),
+    and the logits compared below are fp32's."""
     tmp = tmp_path_factory.mktemp("export")
     run_dir = tmp / "run"
+    args = args_for(small_dataset, run_dir, **{"runtime.dtype": "fp32"})
     with in_process():
         try:
-            trainer = Trainer(load_config(None, args_for(small_dataset, run_dir)))
+            trainer = Trainer(load_config(None, args))
             trainer.train()
             params = trainer.engine.full_state()
             tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
