@@ -17,9 +17,10 @@ PLATFORM=(--only-binary=:all: --python-version 3.12 --implementation cp
 # megatron-core's cp312 wheel; DeepSpeed's requirements the image lacks; mpich for mpirun;
 # typing-extensions and packaging at the floors pydantic and megatron-core set; fla-core (the
 # gpu extra: auto's depth-attention kernel on CUDA) and flash-attn-res (the kernel benchmark's
-# other outside kernel), both pure Python over the image's own triton and einops; transformers at the project's floor (the GPU image's is older) with the
-# huggingface-hub, tokenizers (the image's 0.23.2 wants a hub below 2), kernels and HTTP stack
-# it needs (pip installs only those the image lacks)
+# other outside kernel), both pure Python over the image's own triton and einops; transformers
+# at the project's floor (the GPU image's is older) with the huggingface-hub, tokenizers (the
+# image's 0.23.2 wants a hub below 2), kernels and HTTP stack it needs (pip installs only those
+# the image lacks)
 "$PYTHON" -m pip download -q --no-deps "${PLATFORM[@]}" -d "$DEST" \
   megatron-core==0.16.1 mpich==5.0.2 mpi4py==4.1.2 \
   hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \

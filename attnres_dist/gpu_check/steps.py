@@ -100,9 +100,9 @@ def _step_limit_s(default: float) -> float:
     return float(os.environ.get("GPU_CHECK_STEP_S", default))
 
 
-def save_partial(result: dict) -> None:
-    """Write a step's result so far where the finished result goes: a step cut at its time
-    limit then still reports what it measured (the driver reads the file either way)."""
+def save_result(result: dict) -> None:
+    """Write a step's result, also one so far: a step cut at its time limit then still reports
+    what it measured (the driver reads the file whether or not the step finished)."""
     path = os.environ.get("GPU_CHECK_RESULT")
     if path:
         Path(path).write_text(json.dumps(result, indent=2, default=str) + "\n")
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     os.environ["GPU_CHECK_RESULT"] = args.result
     result = _steps()[args.name](work, args.dry_run)
-    Path(args.result).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    save_result(result)
     print(json.dumps(result, default=str)[:2000])
     return 0
 

@@ -123,30 +123,46 @@ def train_125m(work: Path, dry: bool) -> dict:
     return _train("configs/gpt-125m.yaml", overrides)
 
 
-def step_time(work: Path, dry: bool) -> dict:
-    """Median optimizer-step time of baseline, Block (S = 3) and Full AttnRes at one shape."""
-    import torch
-
+def _trainer_125m(work: Path, dry: bool, run_name: str, steps: int, *extra: str):
+    """A Trainer at the 125M shape (the dry run's tiny one), local spec, run dir ``run_name``."""
     from attnres_dist.config import load_config
     from attnres_dist.train.trainer import Trainer
 
+    overrides = [*SHAPE_125M, *extra, f"train.steps={steps}", "runtime.layer_spec=local"]
+    overrides += [_dtype(dry), *QUIET, f"output.run_dir={work / run_name}"]
+    overrides += DRY_125M if dry else []
+    return Trainer(load_config("configs/gpt-125m.yaml", overrides))
+
+
+def _step_seconds(trainer, warmup: int, reps: int) -> list[float]:
+    """Wall time of each of ``reps`` optimizer steps after ``warmup`` untimed ones."""
+    import torch
+
+    times = []
+    for step in range(warmup + reps):
+        batch = trainer.micro_batches(step)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        trainer.engine.train_step(batch)  # returns the loss as a float: synchronised
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def _shape(dry: bool) -> str:
+    return "12 x 768, seq 1024, batch 8" if not dry else "dry-run shape"
+
+
+def step_time(work: Path, dry: bool) -> dict:
+    """Median optimizer-step time of baseline, Block (S = 3) and Full AttnRes at one shape."""
     warmup, reps = (3, 8) if _gpu(dry) else (1, 2)
     rows = {}
     for mode in ("baseline", "block", "full"):
-        overrides = [*SHAPE_125M, f"model.attnres.mode={mode}", f"train.steps={warmup + reps}"]
-        overrides += ["runtime.layer_spec=local", _dtype(dry), *QUIET]
-        overrides += [f"output.run_dir={work / f'step-time-{mode}'}", *(DRY_125M if dry else [])]
         _reset_peak()
-        trainer = Trainer(load_config("configs/gpt-125m.yaml", overrides))
-        times = []
-        for step in range(warmup + reps):
-            batch = trainer.micro_batches(step)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            trainer.engine.train_step(batch)  # returns the loss as a float: synchronised
-            if step >= warmup:
-                times.append(time.perf_counter() - start)
+        mode_arg = f"model.attnres.mode={mode}"
+        trainer = _trainer_125m(work, dry, f"step-time-{mode}", warmup + reps, mode_arg)
+        times = _step_seconds(trainer, warmup, reps)
         rows[mode] = {
             "model": trainer.builder.plan.describe(),
             "step_ms": round(1e3 * statistics.median(times), 2),
@@ -157,7 +173,7 @@ def step_time(work: Path, dry: bool) -> dict:
     base = rows["baseline"]["step_ms"]
     for row in rows.values():
         row["vs_baseline"] = round(row["step_ms"] / base, 3)
-    return {"shape": "12 x 768, seq 1024, batch 8" if not dry else "dry-run shape", **rows}
+    return {"shape": _shape(dry), **rows}
 
 
 # (mode, depth-attention implementation), in order of importance; fla last: it autotunes for
@@ -185,10 +201,13 @@ def _top_ops(prof, steps: int, cuda: bool, top: int = 14) -> dict:
         events = [e for e in events if e.device_type != DeviceType.CPU]
     events.sort(key=lambda e: getattr(e, attr), reverse=True)
     busy_us = sum(getattr(e, attr) for e in events)
-    per_step_ms = [round(getattr(e, attr) / steps / 1e3, 3) for e in events[:top]]
     rows = [
-        {"op": e.key[:90], "calls": e.count // steps, "ms": ms}
-        for e, ms in zip(events, per_step_ms, strict=False)
+        {
+            "op": e.key[:90],
+            "calls": e.count // steps,
+            "ms": round(getattr(e, attr) / steps / 1e3, 3),
+        }
+        for e in events[:top]
     ]
     return {"busy_ms": round(busy_us / steps / 1e3, 2), "top": rows}
 
@@ -199,36 +218,25 @@ def step_profile(work: Path, dry: bool) -> dict:
     against the wall time tells launch-bound from kernel-bound). Stops at the step's limit."""
     from torch.profiler import ProfilerActivity, profile
 
-    from attnres_dist.config import load_config
-    from attnres_dist.gpu_check.steps import _step_limit_s, save_partial
-    from attnres_dist.train.trainer import Trainer
+    from attnres_dist.gpu_check.steps import _step_limit_s, save_result
 
     deadline = time.monotonic() + _step_limit_s(240) - 30
     cuda = _gpu(dry)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     warmup, reps, profiled = (3, 5, 2) if cuda else (1, 2, 1)
-    shape = "12 x 768, seq 1024, batch 8" if not dry else "dry-run shape"
     rows = []
     for mode, impl in PROFILE_RUNS:
         if time.monotonic() > deadline:
             rows.append({"mode": mode, "impl": impl, "skipped": "the step's time limit"})
             continue
-        overrides = [*SHAPE_125M, f"model.attnres.mode={mode}", f"model.attnres.impl={impl}"]
-        overrides += [f"train.steps={warmup + reps + profiled}", "runtime.layer_spec=local"]
-        overrides += [_dtype(dry), *QUIET, f"output.run_dir={work / f'profile-{mode}-{impl}'}"]
-        overrides += DRY_125M if dry else []
+        extra = (f"model.attnres.mode={mode}", f"model.attnres.impl={impl}")
         try:
-            trainer = Trainer(load_config("configs/gpt-125m.yaml", overrides))
+            run_name = f"profile-{mode}-{impl}"
+            trainer = _trainer_125m(work, dry, run_name, warmup + reps + profiled, *extra)
         except Exception as exc:  # an implementation this machine cannot run
             rows.append({"mode": mode, "impl": impl, "skipped": f"{exc}"[:200]})
             continue
-        times = []
-        for step in range(warmup + reps):
-            batch = trainer.micro_batches(step)
-            start = time.perf_counter()
-            trainer.engine.train_step(batch)  # returns the loss as a float: synchronised
-            if step >= warmup:
-                times.append(time.perf_counter() - start)
+        times = _step_seconds(trainer, warmup, reps)
         with profile(activities=activities) as prof:
             start = time.perf_counter()
             for step in range(warmup + reps, warmup + reps + profiled):
@@ -238,9 +246,9 @@ def step_profile(work: Path, dry: bool) -> dict:
         row |= {"profiled_wall_ms": round(wall_ms, 2), **_top_ops(prof, profiled, cuda)}
         print("profile", json.dumps(row), flush=True)
         rows.append(row)
-        save_partial({"shape": shape, "runs": rows, "cut": "stopped at the step's time limit"})
+        save_result({"shape": _shape(dry), "runs": rows, "cut": "stopped at the step's time limit"})
         del trainer, prof
-    return {"shape": shape, "runs": rows}
+    return {"shape": _shape(dry), "runs": rows}
 
 
 def _generate_cli(export: Path, device: str) -> dict:

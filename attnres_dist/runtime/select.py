@@ -154,10 +154,10 @@ def select_depth_attention(requested: str, device: str) -> Choice:
         if device == "cuda":
             # fla's fused kernel first: measured on an H200 it takes 0.76x the project's Triton
             # kernel's time where bytes decide and as long in a training step (docs/kernels.md)
-            if why_not.get("fla", "not registered") is None:
+            fla = why_not.get("fla", "not registered")
+            if fla is None:
                 return Choice("fla", "auto: CUDA device and fla-core's fused_attnres kernel")
             if why_not.get("triton", "not registered") is None:
-                fla = why_not.get("fla", "not registered")
                 return Choice("triton", f"auto: CUDA device and the Triton kernel (fla: {fla})")
             reason = why_not.get("triton", "not registered")
             return Choice("twophase", f"auto: torch two-phase ops (triton: {reason})")
