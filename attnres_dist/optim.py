@@ -7,6 +7,7 @@ kernel (``fused=True``, CPU and CUDA): one call updates every parameter of a gro
 default per-parameter loop pays a dozen small ops per tensor (a model with depth attention has
 two small vectors per sublayer). Linear warm-up then cosine
 decay to ``min_lr``, as a ``LambdaLR`` that both engines step once per optimizer step.
+Where the runtime chose apex (GPU), its FusedAdam in AdamW mode takes torch's place.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import math
 import torch
 
 from attnres_dist.config import OptimConfig
+from attnres_dist.runtime import RuntimeChoice
 
 
 def lr_factor(step: int, optim: OptimConfig, total_steps: int) -> float:
@@ -72,3 +74,14 @@ def build_optimizer(
         optimizer, lambda step: lr_factor(step, optim, total_steps)
     )
     return optimizer, scheduler
+
+
+def adam_class(choice: RuntimeChoice) -> type[torch.optim.Optimizer]:
+    """apex FusedAdam in AdamW mode (decoupled weight decay, as torch.optim.AdamW) where the
+    runtime chose apex, else torch's AdamW."""
+    if choice.optimizer.value == "apex":
+        from apex.optimizers import FusedAdam
+
+        # adam_w_mode defaults to True: the same update as torch.optim.AdamW
+        return FusedAdam
+    return torch.optim.AdamW

@@ -15,8 +15,9 @@ import pytest
 import torch
 import torch.utils.checkpoint
 
+from attnres_dist import megatron_compat
 from attnres_dist.config import load_config
-from attnres_dist.model import dropout_streams, megatron_compat, recompute
+from attnres_dist.model import dropout_streams, recompute
 from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed

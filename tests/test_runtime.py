@@ -14,7 +14,9 @@ import torch
 
 from attnres_dist.config import RuntimeConfig, config_from_dict, load_config
 from attnres_dist.errors import ConfigError
-from attnres_dist.runtime import Choice, RuntimeChoice, kernels, probes, select_runtime
+from attnres_dist.model import layer_specs
+from attnres_dist.optim import adam_class
+from attnres_dist.runtime import Choice, RuntimeChoice, probes, select_runtime
 
 OK = {
     "cuda": probes.Probe(True, "NVIDIA H100 80GB HBM3"),
@@ -182,9 +184,9 @@ def test_cpu_machine_takes_the_fused_c_norm_where_the_kernels_build(machine):
     called.clear()
     assert select_runtime(RuntimeConfig(fused_norm="off")).norm == Choice("torch", "set in config")
     assert "cpu_kernels" not in called  # off asks nothing
-    spec = kernels.layer_spec(choice)
-    assert spec.submodules.input_layernorm is kernels.CpuRMSNorm
-    assert spec.submodules.pre_mlp_layernorm is kernels.CpuRMSNorm
+    spec = layer_specs.layer_spec(choice)
+    assert spec.submodules.input_layernorm is layer_specs.CpuRMSNorm
+    assert spec.submodules.pre_mlp_layernorm is layer_specs.CpuRMSNorm
 
 
 # --------------------------------------------------------------------------- core attention
@@ -222,7 +224,7 @@ def test_core_attention_choice_routes_the_local_spec():
 
     def core(value):
         values = ("cpu", "local", "torch", "torch", "fp32", value)
-        spec = kernels.layer_spec(RuntimeChoice(*[Choice(v, "test") for v in values]))
+        spec = layer_specs.layer_spec(RuntimeChoice(*[Choice(v, "test") for v in values]))
         attention = spec.submodules.self_attention
         return attention.module, attention.submodules.core_attention
 
@@ -292,16 +294,16 @@ def test_choices_route_to_megatron_specs_and_optimizers(monkeypatch):
     from attnres_dist.pipeline.engine import ClippedAdamW, GlobalNormClip, clipped_optimizer_class
 
     reference = RuntimeChoice.reference()
-    spec = kernels.layer_spec(reference)
+    spec = layer_specs.layer_spec(reference)
     assert spec.submodules.input_layernorm.__name__ == "WrappedTorchNorm"
-    assert kernels.final_norm(reference, None) is None
-    assert kernels.adam_class(reference) is torch.optim.AdamW
+    assert layer_specs.final_norm(reference, None) is None
+    assert adam_class(reference) is torch.optim.AdamW
     assert clipped_optimizer_class(torch.optim.AdamW) is ClippedAdamW
 
     apex = RuntimeChoice(*[Choice(v, "test") for v in ("cuda", "local", "apex", "apex", "fp32")])
-    spec = kernels.layer_spec(apex)
-    assert spec.submodules.input_layernorm is kernels.ApexRMSNorm
-    assert spec.submodules.pre_mlp_layernorm is kernels.ApexRMSNorm
+    spec = layer_specs.layer_spec(apex)
+    assert spec.submodules.input_layernorm is layer_specs.ApexRMSNorm
+    assert spec.submodules.pre_mlp_layernorm is layer_specs.ApexRMSNorm
     # the clip composes with any torch optimizer class (apex FusedAdam on GPU machines)
     clipped = clipped_optimizer_class(torch.optim.SGD)
     assert issubclass(clipped, GlobalNormClip) and issubclass(clipped, torch.optim.SGD)
@@ -311,7 +313,7 @@ def test_choices_route_to_megatron_specs_and_optimizers(monkeypatch):
     monkeypatch.setattr(
         gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec", lambda: sentinel
     )
-    assert kernels.layer_spec(te) is sentinel
+    assert layer_specs.layer_spec(te) is sentinel
 
 
 def test_explicit_bf16_is_taken_on_cpu_and_auto_stays_fp32(machine):

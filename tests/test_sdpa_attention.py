@@ -16,8 +16,8 @@ import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+from attnres_dist import megatron_compat
 from attnres_dist.config import ModelConfig
-from attnres_dist.model import megatron_compat
 from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
 from attnres_dist.model.megatron_config import transformer_config
 from attnres_dist.model.sdpa_attention import SdpaAttention, SdpaSelfAttention
@@ -171,15 +171,15 @@ def test_whole_model_forward_backward_megatron_vs_sdpa(mode, groups):
 def test_self_attention_rotary_tables_match_megatrons_rope(interleaved, monkeypatch):
     from megatron.core.transformer.spec_utils import build_module
 
+    from attnres_dist.model import layer_specs
     from attnres_dist.model.gpt import seeded
-    from attnres_dist.runtime import kernels
 
     cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=12)
     config = transformer_config(cfg)
     config.rotary_interleaved = interleaved
     blocks = {}
     for kind in ("megatron", "sdpa"):
-        spec = kernels.layer_spec(_choice(kind)).submodules.self_attention
+        spec = layer_specs.layer_spec(_choice(kind)).submodules.self_attention
         with seeded(0, "attention"):
             blocks[kind] = build_module(spec, config=config, layer_number=1)
     assert type(blocks["sdpa"]) is SdpaSelfAttention

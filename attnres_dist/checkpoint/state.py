@@ -302,7 +302,7 @@ def _restore_rng(ckpt: Checkpoint, dims: ParallelDims, rank: int) -> str:
         states = torch.load(ckpt.path / "rng.pt", weights_only=True)
         set_rng_state(states[str(rank)])
         return "RNG states restored"
-    from attnres_dist.model import megatron_compat
+    from attnres_dist import megatron_compat
 
     seed = int(ckpt.config["train"]["seed"]) + ckpt.step
     torch.manual_seed(seed)

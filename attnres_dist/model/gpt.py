@@ -22,15 +22,16 @@ import zlib
 
 import torch
 
+from attnres_dist import megatron_compat
 from attnres_dist.config import ModelConfig
 from attnres_dist.config.block_plan import BlockPlan
-from attnres_dist.model import dropout_streams, megatron_compat
+from attnres_dist.model import dropout_streams, layer_specs
 from attnres_dist.model.attnres_layer import AttnResLayer, configure_recompute
 from attnres_dist.model.depth_mixing import configure_segments
 from attnres_dist.model.document_masks import DocumentOptions, loss_mask
 from attnres_dist.model.embedding_head import Embedding, FinalAggregation, OutputLayer, lm_loss
 from attnres_dist.model.megatron_config import padded_vocab_size, transformer_config
-from attnres_dist.runtime import RuntimeChoice, kernels
+from attnres_dist.runtime import RuntimeChoice
 from attnres_dist.runtime.select import select_depth_attention
 
 
@@ -90,7 +91,7 @@ class ModelBuilder:
     def layer(self, index: int) -> AttnResLayer:
         from megatron.core.transformer.spec_utils import build_module
 
-        spec = kernels.layer_spec(self.runtime)
+        spec = layer_specs.layer_spec(self.runtime)
         with seeded(self.seed, f"layer.{index}"):
             megatron_layer = build_module(spec, config=self.config, layer_number=index + 1)
             part = AttnResLayer(
@@ -105,7 +106,7 @@ class ModelBuilder:
     def final(self) -> FinalAggregation:
         with seeded(self.seed, "final"):
             part = FinalAggregation(self.config, self.plan, impl=self.depth_attention)
-        norm = kernels.final_norm(self.runtime, self.config)  # gain init 1: no RNG drawn
+        norm = layer_specs.final_norm(self.runtime, self.config)  # gain init 1: no RNG drawn
         if norm is not None:
             part.final_norm = norm
         return part

@@ -1,6 +1,6 @@
 """The SDPA attention path: Megatron-Core's self-attention with fewer, fused torch ops.
 
-Two drop-in replacements for the local layer spec (``attnres_dist.runtime.kernels`` installs
+Two drop-in replacements for the local layer spec (``attnres_dist.model.layer_specs`` installs
 both when ``runtime.core_attention`` resolves to ``sdpa``):
 
 * ``SdpaAttention`` for ``core_attention``: one ``scaled_dot_product_attention`` call;
@@ -13,7 +13,7 @@ Core attention
 --------------
 
 ``SdpaAttention`` takes the place of Megatron's ``DotProductAttention`` in the local layer spec
-(``core_attention`` of ``SelfAttention``; ``attnres_dist.runtime.kernels`` puts it there). It is
+(``core_attention`` of ``SelfAttention``; ``attnres_dist.model.layer_specs`` puts it there). It is
 a subclass with the same constructor, so everything Megatron derives there is shared: the
 tensor-parallel head split, the softmax scale (``1/sqrt(head_dim)``, ``config.softmax_scale``,
 query-key layer scaling), the attention-dropout probability. Only ``forward`` differs: one

@@ -14,7 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from attnres_dist.model import megatron_compat
+from attnres_dist import megatron_compat
 from attnres_dist.parallel import comm_device
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.launch_env import LaunchEnv, detect_launch_env, export_torch_env

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from attnres_dist.config import Config
 from attnres_dist.model.document_masks import loss_mask
 from attnres_dist.model.gpt import ModelBuilder
-from attnres_dist.optim import build_optimizer
+from attnres_dist.optim import adam_class, build_optimizer
 from attnres_dist.parallel.comm_device import comm_device
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import check_groups_agree
@@ -34,7 +34,6 @@ from attnres_dist.pipeline import precision, virtual_engine, virtual_setup, watc
 from attnres_dist.pipeline.module import AttnResPipelineModule
 from attnres_dist.pipeline.naming import canonical_name
 from attnres_dist.pipeline.partition import compute_parts
-from attnres_dist.runtime.kernels import adam_class
 
 
 def _model_parallel_group(dims: ParallelDims, rank: int):

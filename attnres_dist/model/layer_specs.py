@@ -1,4 +1,4 @@
-"""A RuntimeChoice turned into what the model and the engines build with.
+"""A RuntimeChoice turned into the Megatron-Core layer spec and final norm the model builds with.
 
 * ``layer_spec``: Megatron-Core's Transformer Engine layer spec or its local one. Both expose
   ``input_layernorm``, ``self_attention``, ``pre_mlp_layernorm`` and ``mlp``; under TE the two
@@ -13,14 +13,13 @@
   ``attnres_dist.ops.cpu_rms_norm``) or torch's RMSNorm, built with Megatron's norm signature
   (Megatron's own apex norm, FusedLayerNorm, refuses RMSNorm). All name their gain ``weight``,
   so the choice never changes a checkpoint.
-* ``adam_class``: apex FusedAdam in AdamW mode (decoupled weight decay, as torch.optim.AdamW)
-  or torch's AdamW.
 """
 
 from __future__ import annotations
 
 import torch
 
+from attnres_dist.model.sdpa_attention import SdpaAttention, SdpaSelfAttention
 from attnres_dist.ops.cpu_rms_norm import CpuRMSNorm  # Megatron's norm signature
 from attnres_dist.runtime.select import RuntimeChoice
 
@@ -32,8 +31,6 @@ def layer_spec(choice: RuntimeChoice):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
     if choice.core_attention.value == "sdpa":
-        from attnres_dist.model.sdpa_attention import SdpaAttention, SdpaSelfAttention
-
         spec.submodules.self_attention.module = SdpaSelfAttention
         spec.submodules.self_attention.submodules.core_attention = SdpaAttention
     norm = _NORMS.get(choice.norm.value)
@@ -61,12 +58,3 @@ def final_norm(choice: RuntimeChoice, config) -> torch.nn.Module | None:
     if norm is None:
         return None
     return norm(config, config.hidden_size, eps=config.layernorm_epsilon)
-
-
-def adam_class(choice: RuntimeChoice) -> type[torch.optim.Optimizer]:
-    if choice.optimizer.value == "apex":
-        from apex.optimizers import FusedAdam
-
-        # adam_w_mode defaults to True: the same update as torch.optim.AdamW
-        return FusedAdam
-    return torch.optim.AdamW
