@@ -162,7 +162,10 @@ def test_the_report_renders_rows_cut_short_and_a_partial_profile():
     runs = [
         {"mode": "baseline", "impl": "auto", "step_ms": 40.0, "busy_ms": 20.0, "top": []},
         {"mode": "block", "impl": "triton", "step_ms": 90.0, "busy_ms": 28.0,
-         "top": [{"op": "_phase1_bwd", "calls": 8, "ms": 1.1}]},
+         "top": [{"op": "_phase1_bwd", "calls": 8, "ms": 1.1}],
+         "host": {"runtime_calls": 900.0, "launches": 800.0, "blocking": {
+             "cudaStreamSynchronize": {"calls": 24, "ms": 40.5}}},
+         "sync": {"syncs": 24, "sites": ["depth_state.py:88 x24"]}},
     ]  # fmt: skip
     steps = [
         {"name": "depth_attention", "what": "", "status": "ok", "result": {"registry": registry}},
@@ -174,3 +177,71 @@ def test_the_report_renders_rows_cut_short_and_a_partial_profile():
     assert "| lean |  |  |  |  |  | the step's time limit |" in md
     assert "stopped at the step's time limit" in md
     assert "| block | triton | 90.0 | 2.25 | 28.0 | _phase1_bwd 1.1 |  |" in md
+    sync = "cudaStreamSynchronize 24 (40.5) | 24 | depth_state.py:88 x24 |"
+    assert f"| block | triton | 900.0 | 800.0 | {sync}" in md
+
+
+class _Event:
+    def __init__(self, key: str, count: int, cpu_us: float = 0.0):
+        self.key, self.count, self.cpu_time_total = key, count, cpu_us
+
+
+class _Profile:
+    def __init__(self, events):
+        self.events = events
+
+    def key_averages(self):
+        return self.events
+
+
+def test_host_calls_count_launches_and_blocking_calls_per_step():
+    """Two profiled steps: 700 launches of two kinds, 6 stream syncs (3 ms of host time), one
+    blocking memcpy; ops and async copies are not blocking."""
+    from attnres_dist.gpu_check.step_profile import _host_calls
+
+    prof = _Profile(
+        [
+            _Event("cudaLaunchKernel", 600),
+            _Event("cuLaunchKernel", 100),
+            _Event("cudaStreamSynchronize", 6, 3000.0),
+            _Event("cudaMemcpy", 2, 400.0),
+            _Event("cudaMemcpyAsync", 10, 50.0),
+            _Event("aten::mm", 300, 9000.0),
+        ]
+    )
+    host = _host_calls(prof, steps=2)
+    assert host["launches"] == 350 and host["memcpy_async"] == 5
+    assert host["runtime_calls"] == (600 + 100 + 6 + 2 + 10) / 2
+    assert host["blocking"] == {
+        "cudaStreamSynchronize": {"calls": 3, "ms": 1.5},
+        "cudaMemcpy": {"calls": 1, "ms": 0.2},
+    }
+    assert host["blocking_ms"] == 1.7
+
+
+def test_sync_sites_name_the_lines_that_synchronise(monkeypatch):
+    """torch's sync debug mode warns at each synchronising call; the sites are the warnings'
+    lines, most frequent first, and the mode is restored afterwards."""
+    import warnings
+
+    import torch
+
+    from attnres_dist.gpu_check.step_profile import _sync_sites
+
+    modes = [0]
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: modes[-1])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    class Engine:
+        def train_step(self, batch):
+            assert modes[-1] == "warn"
+            for _ in range(batch):
+                warnings.warn_explicit(
+                    "called a synchronizing CUDA operation", UserWarning, "engine.py", 76
+                )
+            warnings.warn_explicit("called a synchronizing CUDA operation", UserWarning, "a.py", 9)
+            warnings.warn("something else", stacklevel=1)
+
+    sync = _sync_sites(Engine(), 3)
+    assert sync == {"syncs": 4, "sites": ["engine.py:76 x3", "a.py:9 x1"]}
+    assert modes[-1] == 0

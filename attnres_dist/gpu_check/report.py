@@ -114,7 +114,30 @@ def _step_profile(steps: dict) -> list[str]:
     ]
     header = ["mode", "impl", "ms / step", "vs baseline", "device busy ms", "top kernels (ms)"]
     out = [f"Shape: {r.get('shape')}. {r.get('cut', '')}", ""]
-    return out + _table([*header, "skipped"], rows)
+    out += _table([*header, "skipped"], rows)
+    host = [[x["mode"], x["impl"], *_host_cells(x)] for x in runs if "host" in x or "sync" in x]
+    if host:
+        out += [
+            "Host side per step: CUDA runtime calls, kernel launches, calls that block the",
+            "host (and its ms inside them), synchronising torch calls and where they are.",
+            "",
+        ]
+        header = ["mode", "impl", "runtime calls", "launches", "blocking (ms)", "syncs", "sites"]
+        out += _table(header, host)
+    return out
+
+
+def _host_cells(x: dict) -> list:
+    h, s = x.get("host", {}), x.get("sync", {})
+    calls = h.get("blocking", {})
+    blocking = "; ".join(f"{k} {v['calls']:g} ({v['ms']})" for k, v in calls.items())
+    return [
+        h.get("runtime_calls", h.get("error", "")),
+        h.get("launches", ""),
+        blocking or ("0" if "blocking" in h else ""),
+        s.get("syncs", s.get("error", "")),
+        "; ".join(s.get("sites", [])),
+    ]
 
 
 def _depth_attention(steps: dict) -> list[str]:

@@ -227,7 +227,7 @@ def depth_attention(work: Path, dry: bool) -> dict:
 
 
 def _steps():
-    from attnres_dist.gpu_check import train_steps
+    from attnres_dist.gpu_check import step_profile, train_steps
 
     return {
         "machine": machine,
@@ -236,7 +236,7 @@ def _steps():
         "train_tiny": train_steps.train_tiny,
         "train_125m": train_steps.train_125m,
         "step_time": train_steps.step_time,
-        "step_profile": train_steps.step_profile,
+        "step_profile": step_profile.step_profile,
         "generate": train_steps.generate,
     }
 

@@ -10,7 +10,6 @@ shape and uses fp32.
 
 from __future__ import annotations
 
-import json
 import statistics
 import subprocess
 import sys
@@ -178,79 +177,6 @@ def step_time(work: Path, dry: bool) -> dict:
 
 # (mode, depth-attention implementation), in order of importance; fla last: it autotunes for
 # each new number of sources (its backward's key), tens of seconds each on first use
-PROFILE_RUNS = (
-    ("baseline", "auto"),
-    ("block", "triton"),
-    ("block", "twophase"),
-    ("full", "triton"),
-    ("block", "fla"),
-    ("full", "fla"),
-)
-
-
-def _top_ops(prof, steps: int, cuda: bool, top: int = 14) -> dict:
-    """Per step: the device's busy time and the kernels that took the most of it (on a CPU: the
-    ops' self CPU time). Only the device-side kernel events are summed: an op that launches a
-    kernel carries that kernel's time as its own ``self_device_time_total`` too, so a sum over
-    every event counts each kernel twice."""
-    from torch.autograd import DeviceType
-
-    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0]
-    if cuda:
-        events = [e for e in events if e.device_type != DeviceType.CPU]
-    events.sort(key=lambda e: getattr(e, attr), reverse=True)
-    busy_us = sum(getattr(e, attr) for e in events)
-    rows = [
-        {
-            "op": e.key[:90],
-            "calls": e.count // steps,
-            "ms": round(getattr(e, attr) / steps / 1e3, 3),
-        }
-        for e in events[:top]
-    ]
-    return {"busy_ms": round(busy_us / steps / 1e3, 2), "top": rows}
-
-
-def step_profile(work: Path, dry: bool) -> dict:
-    """Where the AttnRes step's extra time goes at the 125M shape: each (mode, implementation)
-    of PROFILE_RUNS timed (median of 5 steps) and profiled over 2 steps (the device's busy time
-    against the wall time tells launch-bound from kernel-bound). Stops at the step's limit."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from attnres_dist.gpu_check.steps import _step_limit_s, save_result
-
-    deadline = time.monotonic() + _step_limit_s(240) - 30
-    cuda = _gpu(dry)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    warmup, reps, profiled = (3, 5, 2) if cuda else (1, 2, 1)
-    rows = []
-    for mode, impl in PROFILE_RUNS:
-        if time.monotonic() > deadline:
-            rows.append({"mode": mode, "impl": impl, "skipped": "the step's time limit"})
-            continue
-        extra = (f"model.attnres.mode={mode}", f"model.attnres.impl={impl}")
-        try:
-            run_name = f"profile-{mode}-{impl}"
-            trainer = _trainer_125m(work, dry, run_name, warmup + reps + profiled, *extra)
-        except Exception as exc:  # an implementation this machine cannot run
-            rows.append({"mode": mode, "impl": impl, "skipped": f"{exc}"[:200]})
-            continue
-        times = _step_seconds(trainer, warmup, reps)
-        with profile(activities=activities) as prof:
-            start = time.perf_counter()
-            for step in range(warmup + reps, warmup + reps + profiled):
-                trainer.engine.train_step(trainer.micro_batches(step))
-            wall_ms = 1e3 * (time.perf_counter() - start) / profiled
-        row = {"mode": mode, "impl": impl, "step_ms": round(1e3 * statistics.median(times), 2)}
-        row |= {"profiled_wall_ms": round(wall_ms, 2), **_top_ops(prof, profiled, cuda)}
-        print("profile", json.dumps(row), flush=True)
-        rows.append(row)
-        save_result({"shape": _shape(dry), "runs": rows, "cut": "stopped at the step's time limit"})
-        del trainer, prof
-    return {"shape": _shape(dry), "runs": rows}
-
-
 def _generate_cli(export: Path, device: str) -> dict:
     cmd = [sys.executable, "-m", "attnres_dist.cli", "generate", str(export), "--device", device]
     cmd += ["--prompt", "def ", "--max-new-tokens", "48", "--temperature", "0"]
