@@ -182,8 +182,11 @@ def test_the_report_renders_rows_cut_short_and_a_partial_profile():
 
 
 class _Event:
-    def __init__(self, key: str, count: int, cpu_us: float = 0.0):
+    def __init__(self, key: str, count: int, cpu_us: float = 0.0, device: bool = False):
+        from torch.autograd import DeviceType
+
         self.key, self.count, self.cpu_time_total = key, count, cpu_us
+        self.device_type = DeviceType.CUDA if device else DeviceType.CPU
 
 
 class _Profile:
@@ -196,7 +199,8 @@ class _Profile:
 
 def test_host_calls_count_launches_and_blocking_calls_per_step():
     """Two profiled steps: 700 launches of two kinds, 6 stream syncs (3 ms of host time), one
-    blocking memcpy; ops and async copies are not blocking."""
+    blocking memcpy; ops and async copies are not blocking, and device kernels whose names
+    start with "cu" (cuDNN, CUTLASS) are not runtime calls."""
     from attnres_dist.gpu_check.step_profile import _host_calls
 
     prof = _Profile(
@@ -207,6 +211,8 @@ def test_host_calls_count_launches_and_blocking_calls_per_step():
             _Event("cudaMemcpy", 2, 400.0),
             _Event("cudaMemcpyAsync", 10, 50.0),
             _Event("aten::mm", 300, 9000.0),
+            _Event("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", 24, device=True),
+            _Event("cutlass_80_tensorop_s1688gemm", 40, device=True),
         ]
     )
     host = _host_calls(prof, steps=2)

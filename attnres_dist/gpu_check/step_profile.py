@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import statistics
 import time
 import warnings
 from pathlib import Path
 
+# (mode, depth-attention implementation), in order of importance: auto's choices first; Full
+# with fla last, as it autotunes for each new number of sources (tens of seconds each)
 PROFILE_RUNS = (
     ("baseline", "auto"),
     ("block", "fla"),
@@ -70,9 +73,16 @@ def _top_ops(prof, steps: int, cuda: bool, top: int = 14) -> dict:
 
 
 def _host_calls(prof, steps: int) -> dict:
-    """Per step: CUDA runtime calls on the host, kernel launches among them, and the blocking
-    calls (count and host milliseconds inside them, by name)."""
-    runtime = [e for e in prof.key_averages() if e.key.startswith(("cuda", "cu"))]
+    """Per step: CUDA runtime and driver calls on the host (``cudaX`` / ``cuX``; not device
+    kernels such as ``cudnn_...``), kernel launches among them, and the blocking calls (count
+    and host milliseconds inside them, by name)."""
+    from torch.autograd import DeviceType
+
+    runtime = [
+        e
+        for e in prof.key_averages()
+        if e.device_type == DeviceType.CPU and re.match(r"cu(da)?[A-Z]", e.key)
+    ]
     blocking = {
         e.key: {"calls": e.count / steps, "ms": round(e.cpu_time_total / steps / 1e3, 3)}
         for e in runtime

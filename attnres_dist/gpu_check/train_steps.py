@@ -175,8 +175,6 @@ def step_time(work: Path, dry: bool) -> dict:
     return {"shape": _shape(dry), **rows}
 
 
-# (mode, depth-attention implementation), in order of importance; fla last: it autotunes for
-# each new number of sources (its backward's key), tens of seconds each on first use
 def _generate_cli(export: Path, device: str) -> dict:
     cmd = [sys.executable, "-m", "attnres_dist.cli", "generate", str(export), "--device", device]
     cmd += ["--prompt", "def ", "--max-new-tokens", "48", "--temperature", "0"]

@@ -157,10 +157,10 @@ def select_depth_attention(requested: str, device: str) -> Choice:
             fla = why_not.get("fla", "not registered")
             if fla is None:
                 return Choice("fla", "auto: CUDA device and fla-core's fused_attnres kernel")
-            if why_not.get("triton", "not registered") is None:
+            triton = why_not.get("triton", "not registered")
+            if triton is None:
                 return Choice("triton", f"auto: CUDA device and the Triton kernel (fla: {fla})")
-            reason = why_not.get("triton", "not registered")
-            return Choice("twophase", f"auto: torch two-phase ops (triton: {reason})")
+            return Choice("twophase", f"auto: torch two-phase ops (triton: {triton})")
         reason = why_not.get("cpu_fused", "not registered")
         if reason is None:
             return Choice("cpu_fused", "auto: CPU and the fused C two-phase kernels built here")
