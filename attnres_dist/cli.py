@@ -5,6 +5,7 @@
     attnres-dist report runs/a runs/b --out runs/report   (plots + markdown summary)
     attnres-dist export runs/tiny --output exported/tiny   (--format hf: Hugging Face)
     attnres-dist generate exported/tiny --prompt "def " --max-new-tokens 200
+    attnres-dist import-hf path/to/llama --output runs/llama --mode block   (continue pretraining)
     attnres-dist profile --config configs/tiny.yaml --steps 5   (under torchrun, like train)
 
 Every subcommand validates its input before any process group starts; a ``UserError`` prints
@@ -106,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     from attnres_dist import export
 
     export.add_parsers(sub)
+    from attnres_dist import import_hf
+
+    import_hf.add_parser(sub)
     from attnres_dist.profile import runner as profile_runner
 
     profile_runner.add_parser(sub)

@@ -34,6 +34,7 @@ LAYERS = {
     "diagnostics.study": 7,
     "profile": 7,
     "export": 7,
+    "import_hf": 7,
     "bench": 8,
     "gpu_check": 9,
     "cli": 9,

@@ -233,6 +233,8 @@ def load_checkpoint(ckpt: Checkpoint, engine, dims: ParallelDims, rank: int) -> 
     """
     from safetensors import safe_open
 
+    from attnres_dist.model import spec_names
+
     _, _, tp_rank = dims.coords(rank)
     sharded = getattr(engine, "sharded_state", None)  # DeepSpeed's bf16 / ZeRO-1 partitions
     index = ckpt.tensor_index()
@@ -245,6 +247,8 @@ def load_checkpoint(ckpt: Checkpoint, engine, dims: ParallelDims, rank: int) -> 
         handles = {}
 
         def get(key: str) -> torch.Tensor:
+            if key not in index and key.startswith("model/"):  # a TE-spec run, local names
+                key = "model/" + (spec_names.local_name(key[len("model/") :]) or key)
             if key not in index:
                 raise CheckpointError(str(ckpt.path), f"has no tensor {key!r}; not this model's")
             file = index[key]
@@ -283,9 +287,10 @@ def load_checkpoint(ckpt: Checkpoint, engine, dims: ParallelDims, rank: int) -> 
             if steps and all(torch.is_tensor(s) for s in steps):
                 group["step"] = int(steps[0].item())
     scheduler = engine.scheduler
-    scheduler.load_state_dict(ckpt.manifest["scheduler"])
-    for group, lr in zip(engine.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
-        group["lr"] = lr
+    if "scheduler" in ckpt.manifest:  # an imported model's step-0 checkpoint has none yet
+        scheduler.load_state_dict(ckpt.manifest["scheduler"])
+        for group, lr in zip(engine.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
     note = _restore_rng(ckpt, dims, rank)
     engine.restored(ckpt.step)
     return note

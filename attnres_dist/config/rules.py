@@ -54,6 +54,11 @@ def validate(cfg: Config) -> None:
     _require(m.init_std > 0, "model.init_std", f"got {m.init_std}; must be > 0")
     _require(m.norm_eps > 0, "model.norm_eps", f"got {m.norm_eps}; must be > 0")
     _require(
+        m.rope_scaling_factor is None or m.rope_scaling_factor >= 1,
+        "model.rope_scaling_factor",
+        f"got {m.rope_scaling_factor}; must be >= 1 (Llama 3's factor), or null for none",
+    )
+    _require(
         m.attnres.mode in MODES,
         "model.attnres.mode",
         f"got {m.attnres.mode!r}; allowed: {', '.join(MODES)}",

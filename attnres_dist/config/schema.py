@@ -30,6 +30,9 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     tie_embeddings: bool = True
     rotary_base: int = 10000
+    # Llama 3's RoPE scaling factor (Megatron-Core's: frequency bands 1 and 4 over 8192
+    # original positions); None = plain RoPE
+    rope_scaling_factor: float | None = None
     init_std: float = 0.02
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0

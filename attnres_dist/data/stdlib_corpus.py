@@ -1,7 +1,8 @@
 """The embedded default corpus: the running interpreter's standard-library Python source.
 
 Every ``*.py`` file under ``sysconfig.get_paths()["stdlib"]`` (``site-packages`` excluded, so
-the corpus does not depend on what happens to be installed) is one document, byte-tokenised,
+the corpus does not depend on what happens to be installed) is one document, byte-tokenised
+(or, under ``data.tokenizer: hf``, encoded with that tokenizer: a corpus per tokenizer file),
 in sorted relative-path order. Empty files (mostly ``__init__.py``) are skipped.
 
 The ``test`` packages are kept: they are ordinary, idiomatic Python and about 60% of the
@@ -73,17 +74,27 @@ def valid_set(relpaths: list[str], fraction: float = VALID_FRACTION) -> set[str]
     return valid
 
 
-def fingerprint(root: str, files: list[tuple[str, int]]) -> str:
+def tokenizer_id(tokenizer) -> str:
+    """A short stable name for the tokenizer a corpus is written with ("" for bytes)."""
+    if tokenizer is None or tokenizer.name == "bytes":
+        return ""
+    with open(tokenizer.path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:12]
+
+
+def fingerprint(root: str, files: list[tuple[str, int]], tokenizer=None) -> str:
     h = hashlib.sha256()
     h.update(f"v{CORPUS_VERSION}|{sys.version}|{root}|{VALID_FRACTION}\n".encode())
+    h.update(f"tokenizer {tokenizer_id(tokenizer)}\n".encode())
     for rel, size in files:
         h.update(f"{rel}\0{size}\n".encode())
     return h.hexdigest()
 
 
-def corpus_prefix(cache_dir: str) -> str:
+def corpus_prefix(cache_dir: str, tokenizer=None) -> str:
     version = f"{sys.version_info.major}{sys.version_info.minor}"
-    return os.path.join(os.fspath(cache_dir), f"stdlib-py{version}")
+    tok = tokenizer_id(tokenizer)
+    return os.path.join(os.fspath(cache_dir), f"stdlib-py{version}" + (f"-{tok}" if tok else ""))
 
 
 def _is_current(prefix: str, expected: str) -> bool:
@@ -104,17 +115,24 @@ def _is_current(prefix: str, expected: str) -> bool:
     return True
 
 
-def build_corpus(prefix: str, root: str, files: list[tuple[str, int]], fp: str) -> dict:
-    """Write the corpus to ``prefix`` (crash-safe, see ``indexed``); returns its metadata."""
+def build_corpus(
+    prefix: str, root: str, files: list[tuple[str, int]], fp: str, tokenizer=None
+) -> dict:
+    """Write the corpus to ``prefix`` (crash-safe, see ``indexed``); returns its metadata.
+    ``tokenizer``: a Hugging Face tokenizer (``data.tokenizer: hf``); None = bytes."""
     valid = valid_set([rel for rel, _ in files])
-    with indexed.DatasetWriter(prefix, ByteTokenizer()) as writer:
+    hf = tokenizer is not None and tokenizer.name != "bytes"
+    with indexed.DatasetWriter(prefix, tokenizer if hf else ByteTokenizer()) as writer:
         # Timed from here: creating the writer imports megatron-core (seconds, paid once).
         start = time.perf_counter()
         for rel, _ in files:
             with open(os.path.join(root, rel), "rb") as f:
                 data = f.read()
-            # The file's raw bytes are its byte tokens, whatever its source encoding.
-            writer.add("valid" if rel in valid else "train", np.frombuffer(data, dtype=np.uint8))
+            split = "valid" if rel in valid else "train"
+            if hf:  # text for a vocabulary of its own (undecodable bytes become U+FFFD)
+                writer.add(split, tokenizer.encode(data.decode("utf-8", errors="replace")))
+            else:  # the file's raw bytes are its byte tokens, whatever its source encoding
+                writer.add(split, np.frombuffer(data, dtype=np.uint8))
         extra = {
             "source": "python-stdlib",
             "stdlib": root,
@@ -127,8 +145,9 @@ def build_corpus(prefix: str, root: str, files: list[tuple[str, int]], fp: str) 
         return writer.commit(extra)
 
 
-def ensure_default_corpus(cache_dir: str = ".cache/data") -> str:
-    """Prefix of the default corpus in ``cache_dir``, building it on first use.
+def ensure_default_corpus(cache_dir: str = ".cache/data", tokenizer=None) -> str:
+    """Prefix of the default corpus in ``cache_dir``, building it on first use; written with
+    ``tokenizer`` (a Hugging Face one, e.g. an imported model's) or, by default, as bytes.
 
     Safe to call from several processes at once (they share one build through a lock file).
     """
@@ -140,8 +159,8 @@ def ensure_default_corpus(cache_dir: str = ".cache/data") -> str:
             f"found {len(files)} Python files in the standard library; point data.path at a "
             "dataset made with `attnres-dist prepare-data` instead",
         )
-    prefix = corpus_prefix(cache_dir)
-    fp = fingerprint(root, files)
+    prefix = corpus_prefix(cache_dir, tokenizer)
+    fp = fingerprint(root, files, tokenizer)
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     with open(prefix + ".lock", "a") as lock:
         # Held across check and build: a second process waits, then finds the corpus current.
@@ -149,7 +168,7 @@ def ensure_default_corpus(cache_dir: str = ".cache/data") -> str:
         try:
             if _is_current(prefix, fp):
                 return prefix
-            meta = build_corpus(prefix, root, files, fp)
+            meta = build_corpus(prefix, root, files, fp, tokenizer)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     splits = meta["splits"]

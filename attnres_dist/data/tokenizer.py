@@ -14,8 +14,9 @@ from collections.abc import Iterable
 
 from attnres_dist.errors import DataError
 
-# Tried in order when no explicit EOD token is given: GPT-2 style, then SentencePiece/T5 style.
-EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>")
+# Tried in order when no explicit EOD token is given: GPT-2 style, Llama 3's, then
+# SentencePiece/T5 style.
+EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
 
 class ByteTokenizer:

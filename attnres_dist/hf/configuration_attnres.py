@@ -28,6 +28,7 @@ class AttnResConfig(PretrainedConfig):
         head_dim=None,
         max_position_embeddings=128,
         rope_theta=10000.0,
+        rope_llama3_factor=None,
         rms_norm_eps=1e-5,
         attnres_mode="block",
         attnres_block_size=2,
@@ -51,6 +52,8 @@ class AttnResConfig(PretrainedConfig):
         self.head_dim = head_dim or hidden_size // num_attention_heads
         self.max_position_embeddings = max_position_embeddings
         self.rope_theta = rope_theta
+        # Llama 3's RoPE scaling (bands 1 and 4 over 8192 original positions); None = none
+        self.rope_llama3_factor = rope_llama3_factor
         self.rms_norm_eps = rms_norm_eps
         self.attnres_mode = attnres_mode
         self.attnres_block_size = attnres_block_size

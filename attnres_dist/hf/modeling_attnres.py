@@ -32,6 +32,8 @@ positions simply keep counting.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,11 +71,25 @@ class AttnResDepthMixer(nn.Module):
         return (weights.unsqueeze(-1) * values).sum(dim=0).to(sources[0].dtype)
 
 
+def llama3_scaled(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
+    """Llama 3's RoPE frequencies: wavelengths past 8192 / 1 positions slowed by ``factor``,
+    those under 8192 / 4 kept, the band between interpolated smoothly."""
+    low, high, original = 1.0, 4.0, 8192
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    middle = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(middle, blended, out)
+
+
 def rotary_cos_sin(config: AttnResConfig, position_ids: torch.Tensor, dtype: torch.dtype):
     """cos, sin ``[b, s, head_dim]`` for positions ``[b, s]`` (Megatron's RotaryEmbedding)."""
     dim = config.head_dim
     exponent = torch.arange(0, dim, 2, dtype=torch.float32, device=position_ids.device) / dim
     inv_freq = 1.0 / (config.rope_theta**exponent)
+    if getattr(config, "rope_llama3_factor", None):
+        inv_freq = llama3_scaled(inv_freq, config.rope_llama3_factor)
     freqs = position_ids.float()[..., None] * inv_freq  # [b, s, dim / 2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)

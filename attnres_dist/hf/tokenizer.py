@@ -11,8 +11,9 @@ drops it when decoding, as ``ByteTokenizer.decode`` skips it. Invalid UTF-8 deco
 U+FFFD like Python's ``errors="replace"``.
 
 Hugging Face: the run's ``tokenizer.json`` is copied unchanged; its end-of-document token is
-declared as ``eos_token``. The project encodes with ``add_special_tokens=False``: pass the
-same to a tokenizer whose post-processor adds tokens.
+declared as ``eos_token`` and as ``pad_token`` (padded batches, transformers' pipelines).
+The project encodes with ``add_special_tokens=False``: pass the same to a tokenizer whose
+post-processor adds tokens.
 """
 
 from __future__ import annotations
@@ -68,7 +69,10 @@ def write_tokenizer(output: Path, tokenizer: dict, seq_length: int) -> int:
         source = HFTokenizer(tokenizer["path"])  # a missing or broken file: one-line error
         shutil.copyfile(source.path, output / TOKENIZER)
         eod = int(tokenizer.get("eod") if tokenizer.get("eod") is not None else source.eod)
-        config["eos_token"] = Tokenizer.from_file(source.path).id_to_token(eod)
+        # end of text, and the padding of padded batches (as Llama exports do)
+        config["eos_token"] = config["pad_token"] = Tokenizer.from_file(source.path).id_to_token(
+            eod
+        )
     else:
         byte_tokenizer().save(str(output / TOKENIZER))
         eod = 256

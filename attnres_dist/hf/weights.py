@@ -79,3 +79,83 @@ def hf_state_dict(
         else:
             raise KeyError(f"unknown parameter {name!r}")
     return out
+
+
+# ----------------------------------------------------------------- Llama-family -> canonical
+
+# Hugging Face Llama / Mistral names -> canonical ones (the plain weights of _TOP and _IN_LAYER
+# read backwards: no depth-attention parameters, no Transformer Engine spellings)
+_FROM_HF_TOP = {hf: ours for ours, hf in _TOP.items() if ".mixer." not in ours}
+_FROM_HF_LAYER = {
+    hf: ours
+    for ours, hf in _IN_LAYER.items()
+    if ours.startswith("layer.") and "layer_norm_weight" not in ours
+}
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# buffers some older checkpoints saved beside the weights: recomputed, never weights
+_HF_IGNORED = ("self_attn.rotary_emb.inv_freq",)
+
+
+def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int):
+    """Hugging Face's (q, k, v) weights -> Megatron's fused QKV (``split_qkv`` read backwards):
+    for each of the ``groups`` key/value groups, its ``heads / groups`` query heads, then its
+    key head, then its value head."""
+    head_dim = q.shape[0] // heads
+    hidden = q.shape[-1]
+    per_group = heads // groups
+    q = q.reshape(groups, per_group, head_dim, hidden)
+    k = k.reshape(groups, 1, head_dim, hidden)
+    v = v.reshape(groups, 1, head_dim, hidden)
+    return torch.cat((q, k, v), dim=1).reshape(-1, hidden).contiguous()
+
+
+def canonical_state_dict(
+    hf: dict[str, torch.Tensor], num_layers: int, heads: int, groups: int, tied: bool
+) -> dict[str, torch.Tensor]:
+    """The canonical state dict of a Llama-family model's Hugging Face weights ``hf``.
+
+    Depth-attention parameters are not among them (a Llama has none). A tied model's
+    ``lm_head.weight``, where the checkpoint repeats it, must equal the embedding. Anything
+    unknown or missing raises ``KeyError`` naming it."""
+    out: dict[str, torch.Tensor] = {}
+    layers: dict[int, dict[str, torch.Tensor]] = {i: {} for i in range(num_layers)}
+    for name, value in hf.items():
+        if name == "lm_head.weight" and tied:
+            if not torch.equal(value, hf.get("model.embed_tokens.weight", value)):
+                raise KeyError("lm_head.weight differs from model.embed_tokens.weight")
+            continue
+        if name in _FROM_HF_TOP:
+            out[_FROM_HF_TOP[name]] = value
+            continue
+        match = _HF_LAYER.match(name)
+        if match is None or int(match.group(1)) not in layers:
+            raise KeyError(f"unknown weight {name!r}")
+        if match.group(2) not in _HF_IGNORED:
+            layers[int(match.group(1))][match.group(2)] = value
+    for i, parts in layers.items():
+        out.update(_canonical_layer(i, parts, heads, groups))
+    for name in _FROM_HF_TOP.values():
+        if name not in out and not (tied and name.startswith("output.")):
+            raise KeyError(f"missing weight for {name!r}")
+    return out
+
+
+def _canonical_layer(i: int, parts: dict, heads: int, groups: int) -> dict[str, torch.Tensor]:
+    """Canonical weights of layer ``i`` from its Hugging Face ``parts`` (name -> tensor)."""
+    prefix, hf_prefix = f"layers.{i}.", f"model.layers.{i}."
+
+    def take(part: str) -> torch.Tensor:
+        if part not in parts:
+            raise KeyError(f"missing weight {hf_prefix + part!r}")
+        return parts.pop(part)
+
+    out = {}
+    q, k, v = (take(f"self_attn.{p}_proj.weight") for p in "qkv")
+    out[prefix + "layer.self_attention.linear_qkv.weight"] = merge_qkv(q, k, v, heads, groups)
+    gate, up = take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")
+    out[prefix + "layer.mlp.linear_fc1.weight"] = torch.cat((gate, up), dim=0)
+    for hf_part, ours in _FROM_HF_LAYER.items():
+        out[prefix + ours] = take(hf_part)
+    if parts:
+        raise KeyError(f"unknown weight {hf_prefix + sorted(parts)[0]!r}")
+    return out

@@ -49,11 +49,13 @@ def hf_config(model, vocab_size: int, padded_vocab_size: int, eos_token_id: int,
         head_dim=model.hidden_size // model.num_attention_heads,
         max_position_embeddings=model.seq_length,
         rope_theta=float(model.rotary_base),
+        rope_llama3_factor=model.rope_scaling_factor,
         rms_norm_eps=model.norm_eps,
         attnres_mode=mode,
         attnres_block_size=model.attnres.block_size if mode == "block" else 1,
         tie_word_embeddings=model.tie_embeddings,
         eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,  # as Llama exports do: padded batches need a pad id
         architectures=["AttnResForCausalLM"],
         auto_map={
             "AutoConfig": "configuration_attnres.AttnResConfig",
@@ -98,7 +100,9 @@ def write_hf_export(output, tensors: dict, model, padded_vocab: int, tokenizer: 
     tmp.mkdir()
     try:
         eod = write_tokenizer(tmp, tokenizer, model.seq_length)
-        vocab = int(tokenizer.get("vocab_size") or padded_vocab)
+        # the logits cover the model's own vocabulary where the run set one (an imported
+        # model's, which may exceed its tokenizer's), else the tokenizer's
+        vocab = int(model.vocab_size or tokenizer.get("vocab_size") or padded_vocab)
         config = hf_config(model, vocab, padded_vocab, eod, extra)
         hf_model(tensors, config).save_pretrained(tmp)  # config, generation config, weights
         for name in SHIPPED:

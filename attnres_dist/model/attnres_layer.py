@@ -52,9 +52,11 @@ class AttnResLayer(torch.nn.Module):
         layer_index: int,
         impl: str = "lean",
         rotary_base: int = 10000,
+        rope_scaling_factor: float | None = None,
     ):
         super().__init__()
         self.rotary_base = rotary_base
+        self.rope_scaling_factor = rope_scaling_factor  # Llama 3's RoPE scaling; None = off
         self.layer = megatron_layer
         self.plan = plan
         self.layer_index = layer_index
@@ -127,7 +129,7 @@ class AttnResLayer(torch.nn.Module):
                 f"layer {self.layer_index} got a depth state after {state.layers_done} layers"
             )
         ref = state.partial if state.store is None else state.store[0]
-        ctx = sequence_context(self.layer.config, ref, self.rotary_base)
+        ctx = sequence_context(self.layer.config, ref, self.rotary_base, self.rope_scaling_factor)
         ctx = with_layout(ctx, state.layout)
         first = self.first_sublayer
         with dropout_streams.layer_streams(self.layer_index, self.training and self.uses_dropout):

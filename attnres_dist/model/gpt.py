@@ -100,6 +100,7 @@ class ModelBuilder:
                 index,
                 impl=self.depth_attention,
                 rotary_base=self.model.rotary_base,
+                rope_scaling_factor=self.model.rope_scaling_factor,
             )
         return part
 

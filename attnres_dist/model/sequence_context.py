@@ -38,20 +38,27 @@ def with_layout(ctx: SequenceContext, layout) -> SequenceContext:
     return SequenceContext(mask, rotary)
 
 
-def sequence_context(config, like: torch.Tensor, rotary_base: int) -> SequenceContext:
-    """Context for hidden states shaped like ``like`` ([s, b, h], Megatron's layout)."""
+def sequence_context(
+    config, like: torch.Tensor, rotary_base: int, rope_scaling_factor: float | None = None
+) -> SequenceContext:
+    """Context for hidden states shaped like ``like`` ([s, b, h], Megatron's layout);
+    ``rope_scaling_factor``: Llama 3's RoPE scaling (Megatron's), None = plain RoPE."""
     kv_channels = config.kv_channels or config.hidden_size // config.num_attention_heads
-    return _cached(like.shape[0], kv_channels, rotary_base, str(like.device))
+    return _cached(like.shape[0], kv_channels, rotary_base, rope_scaling_factor, str(like.device))
 
 
 @lru_cache(maxsize=16)
-def _cached(seq_len: int, kv_channels: int, rotary_base: int, device: str) -> SequenceContext:
+def _cached(
+    seq_len: int, kv_channels: int, rotary_base: int, scaling: float | None, device: str
+) -> SequenceContext:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     rope = RotaryEmbedding(
         kv_channels=kv_channels,
         rotary_percent=1.0,
         rotary_base=rotary_base,
+        rope_scaling=scaling is not None,
+        rope_scaling_factor=scaling or 8.0,
         use_cpu_initialization=True,
     )
     with torch.no_grad():

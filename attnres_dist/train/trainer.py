@@ -64,7 +64,10 @@ def resolve_dataset(cfg: Config):
     d, t = cfg.data, cfg.train
     default = None
     if not (d.path or d.paths):
-        default = data_lib.ensure_default_corpus(d.cache_dir)
+        tokenizer = None  # bytes, unless the run names a Hugging Face tokenizer
+        if d.tokenizer == "hf":
+            tokenizer = data_lib.build_tokenizer("hf", d.tokenizer_path)
+        default = data_lib.ensure_default_corpus(d.cache_dir, tokenizer)
     plan = plan_data(d, default)
     check_vocab(plan, cfg.model.vocab_size or int(plan.meta["vocab_size"]))
     train, valid, test = open_samples(

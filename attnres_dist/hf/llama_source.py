@@ -1,0 +1,203 @@
+"""A Llama-family Hugging Face checkpoint directory, read as this trainer's model, or refused.
+
+``read_source(directory)`` checks everything before anything is written and returns a
+``LlamaSource``: the trainer's model fields derived from ``config.json`` (layers, hidden size,
+heads, query groups, FFN size, RMSNorm epsilon, RoPE base and Llama-3 RoPE scaling, vocabulary,
+sequence length, tied head), the tokenizer file and the safetensors files that hold the weights
+(one ``model.safetensors`` or the shards a ``model.safetensors.index.json`` names).
+
+What Megatron-Core's layers as this trainer builds them cannot represent is refused with one
+line naming the field and why: another architecture (GPT-2, Qwen2's QKV biases, ...),
+attention or MLP biases, a sliding window, an activation other than SiLU, a head size other
+than ``hidden / heads``, RoPE scalings other than Llama 3's with Megatron's fixed frequency
+bands (``low_freq_factor`` 1, ``high_freq_factor`` 4, 8192 original positions), and a tokenizer
+with more tokens than the embedding has rows.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from attnres_dist.errors import UserError
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+CONFIG = "config.json"
+TOKENIZER = "tokenizer.json"
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+# Megatron-Core 0.16's RotaryEmbedding applies Llama 3's scaling with these bands fixed
+MEGATRON_LLAMA3_BANDS = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+# default sequence length of a continued-pretraining run: the source's, up to this
+MAX_SEQ = 2048
+
+
+@dataclass
+class LlamaSource:
+    directory: Path
+    config: dict  # config.json as read
+    model: dict  # the trainer's model.* fields (ModelConfig names), without attnres
+    tokenizer: Path
+    weight_files: list[Path]
+
+    @property
+    def architecture(self) -> str:
+        return ARCHITECTURES[self.config["model_type"]]
+
+
+def _refuse(field: str, why: str):
+    raise UserError(f"config.json: {field}", why)
+
+
+def _vocab_multiple(vocab: int) -> int:
+    """The largest power of two up to 128 dividing ``vocab``: Megatron's vocabulary padding
+    then adds no rows at tensor-parallel sizes that divide it (the source's softmax stays the
+    same: padding rows would add logits of their own)."""
+    multiple = 128
+    while vocab % multiple:
+        multiple //= 2
+    return multiple
+
+
+def _rope(cfg: dict) -> tuple[int, float | None]:
+    """(RoPE base, Llama-3 scaling factor or None); transformers 4 and 5 spellings."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    scaling = {**scaling, **params}
+    if float(theta) != int(theta):
+        _refuse("rope_theta", f"got {theta}; the trainer's model.rotary_base is an integer")
+    if kind == "default":
+        return int(theta), None
+    if kind != "llama3":
+        _refuse(
+            "rope_scaling",
+            f"rope_type {kind!r} is not supported; Megatron-Core applies only Llama 3's scaling",
+        )
+    for key, value in MEGATRON_LLAMA3_BANDS.items():
+        if float(scaling.get(key, value)) != float(value):
+            _refuse(
+                f"rope_scaling.{key}",
+                f"got {scaling.get(key)}; Megatron-Core's Llama 3 scaling fixes it at {value}",
+            )
+    return int(theta), float(scaling.get("factor", 8.0))
+
+
+def derive_model(cfg: dict) -> dict:
+    """The trainer's ``model.*`` fields for a Llama-family ``config.json`` (or a refusal)."""
+    kind = cfg.get("model_type")
+    if kind not in ARCHITECTURES:
+        _refuse(
+            "model_type",
+            f"got {kind!r}; import-hf reads Llama-architecture models "
+            f"({', '.join(sorted(ARCHITECTURES))})",
+        )
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            _refuse(key, "biases are not supported: the trainer's layers have no bias")
+    if cfg.get("sliding_window") is not None:
+        _refuse("sliding_window", "sliding-window attention is not supported; only full causal")
+    if cfg.get("hidden_act", "silu") != "silu":
+        _refuse("hidden_act", f"got {cfg['hidden_act']!r}; the trainer's MLP is SwiGLU (silu)")
+    if int(cfg.get("pretraining_tp", 1)) != 1:
+        _refuse("pretraining_tp", "must be 1 (sliced projections are not supported)")
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    groups = int(cfg.get("num_key_value_heads") or heads)
+    if hidden % heads or (cfg.get("head_dim") not in (None, hidden // heads)):
+        _refuse("head_dim", f"got {cfg.get('head_dim')}; the trainer needs hidden / heads")
+    if heads % groups:
+        _refuse("num_key_value_heads", f"got {groups}; must divide num_attention_heads={heads}")
+    theta, scaling = _rope(cfg)
+    vocab = int(cfg["vocab_size"])
+    return {
+        "num_layers": int(cfg["num_hidden_layers"]),
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_query_groups": groups,
+        "ffn_hidden_size": int(cfg["intermediate_size"]),
+        "seq_length": min(int(cfg.get("max_position_embeddings", MAX_SEQ)), MAX_SEQ),
+        "vocab_size": vocab,
+        "make_vocab_size_divisible_by": _vocab_multiple(vocab),
+        "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "rotary_base": theta,
+        "rope_scaling_factor": scaling,
+        "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+        "hidden_dropout": 0.0,
+        "attention_dropout": float(cfg.get("attention_dropout", 0.0)),
+    }
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index = directory / WEIGHTS_INDEX
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError):
+            raise UserError(str(index), "not a safetensors index (no weight_map)") from None
+        missing = [n for n in names if not (directory / n).is_file()]
+        if missing:
+            raise UserError(str(directory / missing[0]), f"named by {WEIGHTS_INDEX} but missing")
+        return [directory / n for n in names]
+    if (directory / WEIGHTS).is_file():
+        return [directory / WEIGHTS]
+    raise UserError(
+        str(directory),
+        f"no {WEIGHTS} or {WEIGHTS_INDEX}; import-hf reads safetensors weights (save the "
+        "model with transformers' save_pretrained)",
+    )
+
+
+def _check_tokenizer(path: Path, vocab: int, eos_token_id) -> None:
+    from attnres_dist.data.tokenizer import HFTokenizer
+
+    if not path.is_file():
+        raise UserError(str(path), "missing; import-hf needs the model's tokenizer.json")
+    tokenizer = HFTokenizer(str(path))  # unreadable or without an end-of-text token: one line
+    if tokenizer.vocab_size > vocab:
+        raise UserError(
+            str(path),
+            f"has {tokenizer.vocab_size} tokens but config.json's vocab_size is {vocab}: the "
+            "tokenizer does not belong to these weights",
+        )
+    if isinstance(eos_token_id, int) and eos_token_id != tokenizer.eod:
+        raise UserError(
+            str(path),
+            f"its end-of-text token is id {tokenizer.eod} but config.json's eos_token_id is "
+            f"{eos_token_id}: the tokenizer does not belong to these weights",
+        )
+
+
+def read_source(directory: str | Path) -> LlamaSource:
+    """The checked source; raises ``UserError`` (one line) for anything it cannot import."""
+    directory = Path(directory)
+    if not (directory / CONFIG).is_file():
+        raise UserError(str(directory), f"no {CONFIG}: not a Hugging Face model directory")
+    try:
+        cfg = json.loads((directory / CONFIG).read_text())
+    except ValueError as exc:
+        raise UserError(str(directory / CONFIG), f"not valid JSON ({exc})") from None
+    try:
+        model = derive_model(cfg)
+    except KeyError as exc:
+        raise UserError(f"config.json: {exc.args[0]}", "missing; the model needs it") from None
+    _check_tokenizer(directory / TOKENIZER, model["vocab_size"], cfg.get("eos_token_id"))
+    return LlamaSource(directory, cfg, model, directory / TOKENIZER, _weight_files(directory))
+
+
+def read_weights(source: LlamaSource) -> dict:
+    """Every tensor of the source's safetensors files, in fp32, by its Hugging Face name."""
+    import torch
+    from safetensors import safe_open
+
+    out = {}
+    for path in source.weight_files:
+        with safe_open(str(path), framework="pt") as fh:
+            for key in fh.keys():
+                out[key] = fh.get_tensor(key).to(torch.float32)
+    return out
