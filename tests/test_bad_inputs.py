@@ -31,7 +31,7 @@ def test_table_has_enough_rows():
     assert len(rows()) >= 25
 
 
-COMMANDS = ("export", "generate")  # kinds whose words follow their own subcommand
+COMMANDS = ("export", "generate", "import-hf")  # kinds whose words follow their own subcommand
 
 
 def _sample(root: Path, overrides: list[str], **manifest) -> Path:

@@ -7,6 +7,7 @@ import json
 import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -379,3 +380,29 @@ def test_package_exports():
         assert getattr(data, name) is not None
     with pytest.raises(AttributeError):
         data.not_a_name  # noqa: B018
+
+
+def test_default_corpus_in_a_hugging_face_tokenizer(tmp_path, monkeypatch):
+    """Under ``data.tokenizer: hf`` the corpus is the same files, each encoded as text by that
+    tokenizer, under a prefix of its own (a 30-file standard library keeps it quick)."""
+    from attnres_dist.data import stdlib_corpus
+    from attnres_dist.data.tokenizer import HFTokenizer
+
+    root = stdlib_corpus.stdlib_root()
+    files = stdlib_corpus.stdlib_files(root)[:30]
+    monkeypatch.setattr(stdlib_corpus, "stdlib_files", lambda _: files)
+    tok = HFTokenizer(make_hf_tokenizer(tmp_path / "tok.json"))
+    prefix = data.ensure_default_corpus(str(tmp_path / "cache"), tok)
+    assert prefix != stdlib_corpus.corpus_prefix(str(tmp_path / "cache"))  # not the bytes one
+    meta = indexed.read_metadata(prefix)
+    assert meta["tokenizer"] == "hf" and meta["vocab_size"] == tok.vocab_size
+    valid = stdlib_corpus.valid_set([rel for rel, _ in files])
+    expected = [
+        # each document closed by the end-of-document token
+        tok.encode(Path(root, rel).read_bytes().decode("utf-8", errors="replace")) + [tok.eod]
+        for rel, _ in files
+        if rel not in valid
+    ]
+    train = indexed.open_split(prefix, "train")
+    assert [train[i].tolist() for i in range(len(train))] == expected
+    assert data.ensure_default_corpus(str(tmp_path / "cache"), tok) == prefix  # cached
