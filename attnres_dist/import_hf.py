@@ -41,6 +41,8 @@ def run_config(source, output: Path, mode: str, block_size: int, overrides=()):
         {
             "model.attnres.mode": mode,
             "model.attnres.block_size": block_size,
+            # exact at step 0: the norm after a mix of n sources takes eps / n^2
+            "model.attnres.source_scaled_eps": mode != "baseline",
             "data.tokenizer": "hf",
             "data.tokenizer_path": str(output / "tokenizer.json"),
             "output.run_dir": str(output),

@@ -40,6 +40,12 @@ CASES = {
     "full-untied": {"model.attnres.mode": "full", "model.tie_embeddings": False},
     "block3-uneven-tied-gqa": {"model.attnres.block_size": 3, "model.num_query_groups": 2},
     "block3-uneven-untied": {"model.attnres.block_size": 3, "model.tie_embeddings": False},
+    # each norm's epsilon times the square of its mix's source count (import-hf's models)
+    "block3-uneven-scaled-eps": {
+        "model.attnres.block_size": 3,
+        "model.attnres.source_scaled_eps": True,
+    },
+    "full-scaled-eps": {"model.attnres.mode": "full", "model.attnres.source_scaled_eps": True},
 }
 
 

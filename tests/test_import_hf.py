@@ -5,14 +5,13 @@ randomised so a mix-up of norms shows), saved with ``save_pretrained`` (one file
 with an index) beside a locally trained tokenizer, imported, and loaded back from the
 checkpoint the import wrote into the single-process ``AttnResGPT``.
 
-The oracles:
-* ``baseline``: transformers' logits, within 1e-4.
-* ``block`` / ``full`` at step 0: every depth query is zero, so sublayer ``l`` reads the mean of
-  its ``n_l`` sources, ``h_l / n_l`` (``h_l`` the source model's residual stream), and
-  ``RMSNorm_eps(h / n) = RMSNorm_{n^2 eps}(h)``. The same transformers model with each norm's
-  ``variance_epsilon`` multiplied by ``n_l^2`` is therefore the exact oracle (within 1e-4); the
-  bound against the unmodified source model is that oracle's own distance from it. ``n_l``
-  is counted here from the paper's definition, not read from the trainer.
+The oracle is transformers' logits, within 1e-4, in every mode: at step 0 every depth query
+is zero, so sublayer ``l`` reads the mean of its ``n_l`` sources, ``h_l / n_l`` (``h_l`` the
+source model's residual stream), and ``RMSNorm_{eps / n^2}(h / n) = RMSNorm_eps(h)``: the
+import's ``model.attnres.source_scaled_eps`` makes the conversion exact. Without it (one
+epsilon for every norm) the imported model is the same transformers model with each norm's
+``variance_epsilon`` multiplied by ``n_l^2``, which is tested too, with ``n_l`` counted here
+from the paper's definition, not read from the trainer.
 """
 
 from __future__ import annotations
@@ -140,21 +139,33 @@ def test_imported_logits_equal_transformers(case, tmp_path):
     ours, cfg = imported_model(out)
     assert cfg.model.num_query_groups == spec["groups"]
     assert cfg.model.tie_embeddings == spec["tied"]
+    assert cfg.model.attnres.source_scaled_eps == (mode != "baseline")
+    tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(5))
+    diff = logits_diff(ours, hf, tokens)
+    record(f"import_hf[{case}] vs transformers", diff, TOL)
+    assert diff <= TOL, diff
+
+
+@pytest.mark.parametrize("mode", ["block", "full"])
+def test_plain_epsilon_equals_the_scaled_epsilon_oracle(mode, tmp_path):
+    """The derivation behind ``source_scaled_eps``: with one epsilon for every norm, the
+    imported model is transformers' model with each norm's epsilon times ``n_l^2``, and its
+    distance from the source is that oracle's (the bound a plain epsilon implies)."""
+    hf = make_llama(tmp_path / "src")
+    plain = ["model.attnres.source_scaled_eps=false"]
+    out = import_hf(tmp_path / "src", tmp_path / "run", mode=mode, block_size=4, overrides=plain)
+    ours, cfg = imported_model(out)
+    assert not cfg.model.attnres.source_scaled_eps
     tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(5))
     direct = logits_diff(ours, hf, tokens)
-    counts = sources_per_norm(mode, 3, block_size)
-    exact = logits_diff(ours, scaled_eps_oracle(hf, counts), tokens)
-    record(f"import_hf[{case}] vs scaled-eps oracle", exact, TOL)
+    oracle = scaled_eps_oracle(make_llama(tmp_path / "oracle"), sources_per_norm(mode, 3, 4))
+    exact = logits_diff(ours, oracle, tokens)
+    with torch.no_grad():
+        bound = (oracle(tokens).logits - hf(tokens).logits).abs().max().item()
+    record(f"import_hf[{mode}, plain eps] vs scaled-eps oracle", exact, TOL)
+    record(f"import_hf[{mode}, plain eps] vs transformers (bound {bound:.2e})", direct, bound)
     assert exact <= TOL, exact
-    if mode == "baseline":
-        record(f"import_hf[{case}] vs transformers", direct, TOL)
-        assert direct <= TOL, direct
-    else:  # the bound the norm epsilon implies: the oracle's own distance from the source
-        plain, oracle = make_llama(tmp_path / "again", **spec), hf  # hf: now the oracle
-        with torch.no_grad():
-            bound = (oracle(tokens).logits - plain(tokens).logits).abs().max().item()
-        record(f"import_hf[{case}] vs transformers (bound {bound:.2e})", direct, bound + TOL)
-        assert direct <= bound + TOL, (direct, bound)
+    assert abs(direct - bound) <= TOL and bound > 100 * TOL  # a plain epsilon is not exact
 
 
 def test_llama3_rope_scaling_matches_transformers(tmp_path):

@@ -1,9 +1,8 @@
 """An imported Llama trains, reshards, resumes and exports; bad sources are refused in one line.
 
 The source is a small transformers ``LlamaForCausalLM`` (``test_import_hf.make_llama``). The
-first training loss of the imported Block model is compared with transformers' loss on the
-same batch: exactly (1e-4) against the scaled-epsilon oracle, and against the source model
-within that oracle's own distance from it (the bound ``test_import_hf`` explains). Then the
+first training loss of the imported Block model (the trainer's own run, its CPU fast paths
+included) equals transformers' loss on the same batch within 1e-4. Then the
 run continues at ``pp = 2`` and resumes at ``tp = 2``; an imported baseline model exported
 with ``export --format hf`` gives the source's logits; the trained Block model exports and
 loads in transformers with a tokenizer that declares its end-of-text and padding tokens.
@@ -28,7 +27,7 @@ from attnres_dist.import_hf import import_hf
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
 from tests.conftest import run_job
-from tests.test_import_hf import VOCAB, make_llama, scaled_eps_oracle, sources_per_norm
+from tests.test_import_hf import VOCAB, make_llama
 
 TOL = 1e-4
 RUN = (
@@ -89,15 +88,10 @@ def test_first_loss_then_pipeline_then_tensor_parallel_resume(source, dataset, t
     first = single[0]["loss"]
     cfg = load_config(str(run / "config.yaml"), [f"data.path={dataset}", "train.steps=1", *RUN])
     window = resolve_dataset(cfg)[0].global_batch(0, 4)
-    plain = make_llama(tmp_path / "plain", layers=3, groups=2, tied=False)
-    oracle = scaled_eps_oracle(
-        make_llama(tmp_path / "oracle", layers=3, groups=2, tied=False),
-        sources_per_norm("block", 3, 4),
-    )
-    exact, original = source_loss(oracle, window), source_loss(plain, window)
-    print(f"first loss {first:.6f}, oracle {exact:.6f}, source {original:.6f}")
-    assert abs(first - exact) <= TOL
-    assert abs(first - original) <= abs(exact - original) + TOL
+    source_model = make_llama(tmp_path / "plain", layers=3, groups=2, tied=False)
+    expected = source_loss(source_model, window)
+    print(f"first loss {first:.7f}, source model's {expected:.7f}")
+    assert abs(first - expected) <= TOL
 
     # the import's own run directory at pp = 2: the same first loss, then a resume at tp = 2
     piped = train(run, f"data.path={dataset}", "train.steps=2", "parallel.pp=2", nproc=2)

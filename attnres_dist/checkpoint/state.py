@@ -103,13 +103,21 @@ def model_signature(model, padded_vocab_size: int) -> dict:
     }
     if model.attnres.mode == "block":
         sig["model.attnres.block_size"] = model.attnres.block_size
+    if model.attnres.source_scaled_eps:
+        sig["model.attnres.source_scaled_eps"] = True
     return sig
+
+
+# signature entries written only when they differ from their default
+_SIGNATURE_DEFAULTS = {"model.attnres.source_scaled_eps": None}
 
 
 def check_signature(ckpt: Checkpoint, signature: dict) -> None:
     """Raise when ``ckpt`` was written for another model than ``signature`` describes."""
     theirs = ckpt.manifest.get("model", {})
-    for key, ours in signature.items():
+    keys = [*signature, *(k for k in _SIGNATURE_DEFAULTS if k in theirs and k not in signature)]
+    for key in keys:
+        ours = signature.get(key, _SIGNATURE_DEFAULTS.get(key))
         if theirs.get(key) != ours:
             raise CheckpointError(
                 str(ckpt.path),

@@ -16,6 +16,9 @@ class AttnResConfig:
     mode: str = "block"  # baseline | full | block
     block_size: int = 2  # sublayers per block (block mode); 1 = full
     impl: str = "auto"  # depth-attention implementation: auto or a registered one
+    # each norm after a depth mix uses eps / n^2 (n: the sources the mix averages at zero
+    # queries), so a model converted from a plain residual one is exact at step 0 (import-hf)
+    source_scaled_eps: bool = False
 
 
 @dataclass

@@ -32,6 +32,7 @@ class AttnResConfig(PretrainedConfig):
         rms_norm_eps=1e-5,
         attnres_mode="block",
         attnres_block_size=2,
+        attnres_source_scaled_eps=False,
         depth_attention_eps=1e-6,
         tie_word_embeddings=True,
         use_cache=True,
@@ -57,6 +58,8 @@ class AttnResConfig(PretrainedConfig):
         self.rms_norm_eps = rms_norm_eps
         self.attnres_mode = attnres_mode
         self.attnres_block_size = attnres_block_size
+        # each norm after a depth mix of n sources uses rms_norm_eps / n^2 (an imported model)
+        self.attnres_source_scaled_eps = attnres_source_scaled_eps
         self.depth_attention_eps = depth_attention_eps
         self.use_cache = use_cache
         self.tie_word_embeddings = tie_word_embeddings

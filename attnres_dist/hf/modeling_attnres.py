@@ -148,6 +148,23 @@ def closes_block(config: AttnResConfig, sublayer: int) -> bool:
     return sublayer % size == 0 or sublayer == 2 * config.num_hidden_layers
 
 
+def norm_eps(config: AttnResConfig, sublayer: int | None) -> float:
+    """The epsilon of the norm after the depth mix of ``sublayer`` (1-based; None: the final
+    one): ``rms_norm_eps``, divided by ``n^2`` for a mix of ``n`` sources under
+    ``attnres_source_scaled_eps`` (Full: every earlier output and the embedding; Block: the
+    embedding, the completed blocks and, inside a block, the partial one)."""
+    eps = config.rms_norm_eps
+    if config.attnres_mode == "baseline" or not config.attnres_source_scaled_eps:
+        return eps
+    size = 1 if config.attnres_mode == "full" else config.attnres_block_size
+    total = 2 * config.num_hidden_layers
+    if sublayer is None:
+        n = 1 + -(-total // size)
+    else:
+        n = 1 + (sublayer - 1) // size + int((sublayer - 1) % size > 0)
+    return eps / (n * n)
+
+
 class AttnResDecoderLayer(nn.Module):
     """Transformer layer ``layer_idx`` acting on the depth state ``(completed, partial)``."""
 
@@ -157,9 +174,11 @@ class AttnResDecoderLayer(nn.Module):
         first = 2 * layer_idx + 1  # this layer's sublayers: attention, then MLP
         self.closes = (closes_block(config, first), closes_block(config, first + 1))
         self.layer_idx = layer_idx
-        self.input_layernorm = AttnResRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = AttnResRMSNorm(config.hidden_size, norm_eps(config, first))
         self.self_attn = AttnResAttention(config, layer_idx)
-        self.post_attention_layernorm = AttnResRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = AttnResRMSNorm(
+            config.hidden_size, norm_eps(config, first + 1)
+        )
         self.mlp = AttnResMLP(config)
         if config.attnres_mode != "baseline":
             self.attn_mixer = AttnResDepthMixer(config.hidden_size, config.depth_attention_eps)
@@ -223,7 +242,7 @@ class AttnResModel(AttnResPreTrainedModel):
         )
         if config.attnres_mode != "baseline":
             self.final_mixer = AttnResDepthMixer(config.hidden_size, config.depth_attention_eps)
-        self.norm = AttnResRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = AttnResRMSNorm(config.hidden_size, norm_eps(config, None))
         self.post_init()
 
     def get_input_embeddings(self):

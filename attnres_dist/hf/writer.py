@@ -53,6 +53,7 @@ def hf_config(model, vocab_size: int, padded_vocab_size: int, eos_token_id: int,
         rms_norm_eps=model.norm_eps,
         attnres_mode=mode,
         attnres_block_size=model.attnres.block_size if mode == "block" else 1,
+        attnres_source_scaled_eps=model.attnres.source_scaled_eps,
         tie_word_embeddings=model.tie_embeddings,
         eos_token_id=eos_token_id,
         pad_token_id=eos_token_id,  # as Llama exports do: padded batches need a pad id

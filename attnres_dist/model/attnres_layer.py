@@ -72,6 +72,14 @@ class AttnResLayer(torch.nn.Module):
         self.segments = {}  # sublayer -> Segment (two-phase schedule)
         configure_segments([self], plan)
 
+    def sublayer_norms(self) -> list:
+        """The norm in front of the attention and the one in front of the MLP: the local
+        spec's modules, or under Transformer Engine the linears that fuse them (``eps``)."""
+        layer = self.layer
+        norms = [layer.input_layernorm, layer.pre_mlp_layernorm]
+        fused = [layer.self_attention.linear_qkv, layer.mlp.linear_fc1]
+        return [n if hasattr(n, "eps") else f for n, f in zip(norms, fused, strict=True)]
+
     @property
     def first_sublayer(self) -> int:
         return 2 * self.layer_index + 1

@@ -102,6 +102,8 @@ class ModelBuilder:
                 rotary_base=self.model.rotary_base,
                 rope_scaling_factor=self.model.rope_scaling_factor,
             )
+        if self.model.attnres.source_scaled_eps and self.plan.mode != "baseline":
+            scale_norm_eps(part.sublayer_norms(), self.plan, 2 * index + 1)
         return part
 
     def final(self) -> FinalAggregation:
@@ -110,12 +112,30 @@ class ModelBuilder:
         norm = layer_specs.final_norm(self.runtime, self.config)  # gain init 1: no RNG drawn
         if norm is not None:
             part.final_norm = norm
+        if self.model.attnres.source_scaled_eps and self.plan.mode != "baseline":
+            scale_norm_eps([part.final_norm], self.plan, None)
         return part
 
     def output(self) -> OutputLayer:
         with seeded(self.seed, "output"):
             part = OutputLayer(self.config, self.vocab_size)
         return part
+
+
+def scale_norm_eps(norms: list, plan: BlockPlan, first_sublayer: int | None) -> None:
+    """Divide each norm's epsilon by the square of the number of sources the depth mix in
+    front of it reads (``first_sublayer`` onwards, 1-based; None: the final aggregation).
+
+    At zero queries a mix of ``n`` sources is ``h / n`` with ``h`` the plain residual stream,
+    and ``RMSNorm_{eps / n^2}(h / n) = RMSNorm_eps(h)``: the model equals its plain-residual
+    twin exactly, not only up to the epsilon (``import-hf``)."""
+    for k, norm in enumerate(norms):
+        n = (
+            plan.final_num_sources
+            if first_sublayer is None
+            else plan.num_sources(first_sublayer + k)
+        )
+        norm.eps = norm.eps / (n * n)
 
 
 class AttnResGPT(torch.nn.Module):
