@@ -60,12 +60,26 @@ def _check_output(output: Path) -> None:
         )
 
 
+def _model_parts(builder):
+    """(canonical prefix, part) of the single-process model, built one at a time: only their
+    names and shapes are needed, never the whole model at once."""
+    m = builder.model
+    yield "embedding", builder.embedding()
+    for i in range(m.num_layers):
+        yield f"layers.{i}", builder.layer(i)
+    yield "final", builder.final()
+    if not m.tie_embeddings:
+        yield "output", builder.output()
+
+
 def imported_state(source, cfg) -> tuple[dict, int]:
     """(canonical state dict of the whole model in fp32, padded vocabulary): the source's
     weights, zero depth-attention queries and unit key gains."""
+    import torch
+
     from attnres_dist.hf.llama_source import read_weights
     from attnres_dist.hf.weights import canonical_state_dict
-    from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
+    from attnres_dist.model.gpt import ModelBuilder
     from attnres_dist.parallel.dims import ParallelDims
     from attnres_dist.parallel.process_groups import init_distributed
     from attnres_dist.runtime import RuntimeChoice
@@ -79,31 +93,31 @@ def imported_state(source, cfg) -> tuple[dict, int]:
     except KeyError as exc:
         msg = f"{exc.args[0]}; not a {source.architecture}"
         raise UserError(str(source.directory), msg) from None
-    # the model itself names and shapes every parameter the checkpoint must hold
+    # the model's own parts name and shape every parameter the checkpoint must hold
     init_distributed(ParallelDims(), seed=0, device="cpu")
-    model = AttnResGPT(ModelBuilder(m, m.vocab_size, runtime=RuntimeChoice.plain("cpu")))
-    import torch
-
+    builder = ModelBuilder(m, m.vocab_size, runtime=RuntimeChoice.plain("cpu"))
     state = {}
-    for name, param in model.named_parameters():
-        if name in weights:
-            value = weights.pop(name)
-            if value.shape != param.shape:
-                raise UserError(
-                    str(source.directory),
-                    f"{name} has shape {list(value.shape)}, config.json implies "
-                    f"{list(param.shape)}",
-                )
-            state[name] = value.contiguous()
-        elif name.endswith(".query"):  # uniform depth attention: the mean of the sources
-            state[name] = torch.zeros_like(param)
-        elif name.endswith(".key_norm_weight"):
-            state[name] = torch.ones_like(param)
-        else:
-            raise UserError(str(source.directory), f"has no weight for {name}")
+    for prefix, part in _model_parts(builder):
+        for local, param in part.named_parameters():
+            name = f"{prefix}.{local}"
+            if name in weights:
+                value = weights.pop(name)
+                if value.shape != param.shape:
+                    raise UserError(
+                        str(source.directory),
+                        f"{name} has shape {list(value.shape)}, config.json implies "
+                        f"{list(param.shape)}",
+                    )
+                state[name] = value.to(torch.float32).contiguous()
+            elif name.endswith(".query"):  # uniform depth attention: the mean of the sources
+                state[name] = torch.zeros(param.shape)
+            elif name.endswith(".key_norm_weight"):
+                state[name] = torch.ones(param.shape)
+            else:
+                raise UserError(str(source.directory), f"has no weight for {name}")
     if weights:
         raise UserError(str(source.directory), f"unexpected weight {sorted(weights)[0]}")
-    return state, model.embedding.word_embeddings.weight.shape[0]
+    return state, builder.vocab_size
 
 
 def _write_checkpoint(root: Path, cfg, state: dict, padded: int, source) -> None:

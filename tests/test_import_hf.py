@@ -198,3 +198,29 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     ours_sin = angles.rotary_pos_emb[:, 0, 0].sin()
     assert (ours_sin - hf_sin[0]).abs().max() <= 1e-6
     assert (plain.rotary_pos_emb[:, 0, 0].sin() - hf_sin[0]).abs().max() > 1e-3
+
+
+def test_mistral_without_a_sliding_window_imports(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        sliding_window=None,
+        eos_token_id=0,
+        bos_token_id=None,
+    )
+    torch.manual_seed(3)
+    hf = MistralForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path / "src")
+    make_hf_tokenizer(tmp_path / "src" / "tokenizer.json")
+    ours, _ = imported_model(import_hf(tmp_path / "src", tmp_path / "run", mode="full"))
+    tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(4))
+    diff = logits_diff(ours, hf, tokens)
+    record("import_hf[mistral, full] vs transformers", diff, TOL)
+    assert diff <= TOL, diff

@@ -191,13 +191,13 @@ def read_source(directory: str | Path) -> LlamaSource:
 
 
 def read_weights(source: LlamaSource) -> dict:
-    """Every tensor of the source's safetensors files, in fp32, by its Hugging Face name."""
-    import torch
+    """Every tensor of the source's safetensors files, in its stored dtype, by its Hugging Face
+    name."""
     from safetensors import safe_open
 
     out = {}
     for path in source.weight_files:
         with safe_open(str(path), framework="pt") as fh:
             for key in fh.keys():
-                out[key] = fh.get_tensor(key).to(torch.float32)
+                out[key] = fh.get_tensor(key)
     return out
