@@ -46,10 +46,12 @@ lint: setup
 bench: setup
 	$(PY) -m attnres_dist.bench.run --out bench_results
 
-# baseline vs Block vs Full AttnRes, 3 seeds each, into docs/results.md (about an hour on 2
-# cores; finished runs in runs/study are kept, so an interrupted study resumes)
+# baseline vs Block vs Full AttnRes at three peak learning rates, 2 seeds each, into
+# docs/results.md (each variant at its best rate beside every run; about 80 min on 2 cores;
+# finished runs in runs/study are kept, so an interrupted study resumes)
+STUDY_LRS ?= 1e-3 3e-3 6e-3
 study: setup
-	$(PY) -m attnres_dist.diagnostics.study $(ARGS)
+	$(PY) -m attnres_dist.diagnostics.study --lrs $(STUDY_LRS) --seeds 1 2 $(ARGS)
 
 clean:
 	rm -rf runs bench_results .cache

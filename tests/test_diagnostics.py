@@ -319,3 +319,56 @@ def test_study_results_file_from_run_dirs(runs, tmp_path):
         assert section in text
     assert (tmp_path / "results" / "losses.png").is_file()
     assert "![losses](results/losses.png)" in text
+
+
+def test_lr_sweep_picks_each_architectures_lowest_mean_loss():
+    from types import SimpleNamespace
+
+    from attnres_dist.diagnostics import lr_sweep
+    from attnres_dist.diagnostics.runs import Variant
+
+    def variant(mode, lr):
+        config = {"model": {"attnres": {"mode": mode, "block_size": 3}}, "optim": {"lr": lr}}
+        return Variant("?", [SimpleNamespace(config=config, mode=mode)])
+
+    rows = [  # (mode, lr, mean final validation loss)
+        ("baseline", 1e-3, 1.70),
+        ("block", 1e-3, 1.64),
+        ("baseline", 3e-3, 1.60),
+        ("block", 3e-3, 1.66),
+        ("full", 3e-3, None),  # no finished run: not a candidate
+        ("full", 6e-3, 1.90),
+    ]
+    variants = [variant(mode, lr) for mode, lr, _ in rows]
+    stats = [
+        {"label": "?", "mode": m, "seeds": 2, "valid_mean": loss, "valid_std": 0.01}
+        for m, _, loss in rows
+    ]
+    lr_sweep.label_with_lr(variants)
+    assert [v.label for v in variants][:2] == ["baseline, lr 0.001", "block S=3, lr 0.001"]
+    best = lr_sweep.best_per_architecture(variants, stats)
+    assert [(b["label"], b["lr"], b["valid_mean"]) for b in best] == [
+        ("baseline", 3e-3, 1.60),
+        ("block S=3", 1e-3, 1.64),
+        ("full", 6e-3, 1.90),
+    ]
+    assert best[2]["lrs_tried"] == [3e-3, 6e-3]
+    table = "\n".join(lr_sweep.best_lr_table(best))
+    assert "| block S=3 | 0.001 (0.001, 0.003) | 2 | 1.6400 ± 0.0100 | +0.0400 |" in table
+
+
+@pytest.mark.slow
+def test_study_with_a_learning_rate_sweep(tmp_path):
+    """The whole driver, briefly: Block at 2 rates x 1 seed x 20 steps, then results.md."""
+    from attnres_dist.diagnostics import study
+
+    out = tmp_path / "study"
+    args = ["--variants", "block", "--seeds", "1", "--lrs", "1e-3", "3e-3", "--out", str(out)]
+    assert study.main([*args, "--results", str(out / "results.md"), *study.QUICK]) == 0
+    names = sorted(p.name for p in out.iterdir() if p.is_dir() and "seed" in p.name)
+    assert names == ["block-lr0.001-seed1", "block-lr0.003-seed1"]
+    config = (out / "block-lr0.003-seed1" / "config.yaml").read_text()
+    assert "lr: 0.003" in config and "min_lr: 0.0003" in config  # the config's ratio, 1/10
+    text = (out / "results.md").read_text()
+    assert "## Each variant at its best learning rate" in text
+    assert "| block S=3, lr 0.001 |" in text and "lr swept over 0.001, 0.003" in text

@@ -11,6 +11,10 @@ than one process). Finished runs
 unfinished run directories are started afresh. Then ``--results`` gets the markdown results
 (tables, figures in ``<results stem>/``, and a reading of the numbers, see ``reading``).
 
+``--lrs 1e-3 3e-3 6e-3`` sweeps the peak learning rate (the final rate keeps the config's
+ratio to it): every variant at every rate and seed, then a table of each variant at its best
+rate (``lr_sweep``), which the reading compares, beside the table of every run.
+
 ``--quick`` checks the whole path in a few minutes: two variants, one seed, 20 steps, into a
 temporary directory (never ``docs/results.md``).
 """
@@ -30,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from attnres_dist.diagnostics import plots, report
+from attnres_dist.diagnostics import lr_sweep, plots, report
 from attnres_dist.diagnostics import runs as R
 from attnres_dist.diagnostics.reading import reading
 
@@ -46,11 +50,18 @@ QUICK = [
 ]
 
 
-def run_name(variant: str, seed: int) -> str:
-    return f"{variant}-seed{seed}"
+def run_name(variant: str, seed: int, lr: float | None = None) -> str:
+    return f"{variant}-seed{seed}" if lr is None else f"{variant}-lr{lr:g}-seed{seed}"
 
 
-def train_command(args, variant: str, seed: int, run_dir: Path) -> list[str]:
+def lr_overrides(args, lr: float | None) -> list[str]:
+    """A swept rate, with the config's ratio of final to peak rate kept."""
+    if lr is None:
+        return []
+    return [f"optim.lr={lr!r}", f"optim.min_lr={lr * args.min_lr_ratio!r}"]
+
+
+def train_command(args, variant: str, seed: int, run_dir: Path, lr=None) -> list[str]:
     train = [
         "-m",
         "attnres_dist.cli",
@@ -61,6 +72,7 @@ def train_command(args, variant: str, seed: int, run_dir: Path) -> list[str]:
         f"train.seed={seed}",
         f"output.run_dir={run_dir}",
         "train.progress=false",
+        *lr_overrides(args, lr),
         *args.overrides,
     ]
     if args.nproc == 1:
@@ -71,8 +83,8 @@ def train_command(args, variant: str, seed: int, run_dir: Path) -> list[str]:
     return [str(torchrun), f"--nproc_per_node={args.nproc}", f"--master_port={free_port()}", *train]
 
 
-def train_one(args, variant: str, seed: int) -> Path:
-    run_dir = Path(args.out) / run_name(variant, seed)
+def train_one(args, variant: str, seed: int, lr: float | None = None) -> Path:
+    run_dir = Path(args.out) / run_name(variant, seed, lr)
     if (run_dir / "summary.json").is_file():
         print(f"  {run_dir.name}: done earlier, kept", flush=True)
         return run_dir
@@ -85,7 +97,7 @@ def train_one(args, variant: str, seed: int) -> Path:
     start = time.perf_counter()
     with open(run_dir / "train.log", "w") as log:
         code = subprocess.call(
-            train_command(args, variant, seed, run_dir),
+            train_command(args, variant, seed, run_dir, lr),
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -111,6 +123,9 @@ def setup_lines(args, variants: list[R.Variant], total_s: float) -> list[str]:
         f"{v.label} {parameter_count(v.runs[0].path) or 0:,}" for v in variants if v.runs
     )
     tokens = t["steps"] * t["global_batch_size"] * m["seq_length"]
+    lrs = getattr(args, "lrs", None)
+    rate = f"lr swept over {', '.join(f'{lr:g}' for lr in lrs)}" if lrs else f"lr {o['lr']}"
+    decay = f"{o['min_lr'] / o['lr']:g} x the peak" if lrs else o["min_lr"]
     block = next((v for v in variants if v.mode == "block"), None)
     blocks = ""
     if block is not None:
@@ -123,7 +138,7 @@ def setup_lines(args, variants: list[R.Variant], total_s: float) -> list[str]:
         f"{m['num_attention_heads']} heads, sequence {m['seq_length']}{blocks}.",
         f"- Parameters: {params}.",
         f"- Training: {t['steps']} steps x {t['global_batch_size']} sequences = {tokens:,} tokens "
-        f"per run; AdamW lr {o['lr']} (warm-up {o['warmup_steps']}, cosine to {o['min_lr']}), "
+        f"per run; AdamW {rate} (warm-up {o['warmup_steps']}, cosine to {decay}), "
         f"weight decay {o['weight_decay']}, clip {o['grad_clip']}; validation on "
         f"{t['eval_batches']} x {t['micro_batch_size']} held-out windows.",
         f"- Seeds: {', '.join(str(r.seed) for r in variants[0].runs)} (the seed sets the "
@@ -140,8 +155,19 @@ def write_results(args, run_dirs: list[Path], total_s: float) -> Path:
     results = Path(args.results)
     figure_dir = results.parent / results.stem
     variants = R.group_runs([R.load_run(d) for d in run_dirs])
+    lr_sweep.label_with_lr(variants)
     figures = plots.render_all(variants, figure_dir)
     stats = [report.variant_stats(v) for v in variants]
+    best = lr_sweep.best_per_architecture(variants, stats)
+    swept = len(best) < len(stats)
+    best_section = [
+        "## Each variant at its best learning rate",
+        "",
+        *lr_sweep.best_lr_table(best),
+        "",
+        "The reading below compares these. Every rate tried is in the next table.",
+        "",
+    ]
     lines = [
         "# Study: baseline vs Block AttnRes vs Full AttnRes",
         "",
@@ -151,6 +177,7 @@ def write_results(args, run_dirs: list[Path], total_s: float) -> Path:
         "",
         *setup_lines(args, variants, total_s),
         "",
+        *(best_section if swept else []),
         "## Results",
         "",
         *report.variant_table(stats),
@@ -163,7 +190,7 @@ def write_results(args, run_dirs: list[Path], total_s: float) -> Path:
         "",
         "## Reading",
         "",
-        *reading(stats),
+        *reading(best if swept else stats),
         "",
         "## Depth statistics",
         "",
@@ -189,6 +216,9 @@ def parse_args(argv=None):
     parser.add_argument("--config", default="configs/study-cpu.yaml")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    parser.add_argument(
+        "--lrs", nargs="+", type=float, default=None, help="peak learning rates to sweep"
+    )
     parser.add_argument("--out", default="runs/study", help="directory of the run directories")
     parser.add_argument("--results", default="docs/results.md")
     parser.add_argument("--quick", action="store_true", help="2 variants x 1 seed x 20 steps")
@@ -208,15 +238,20 @@ def main(argv=None) -> int:
 
     cfg = load_config(args.config, args.overrides)  # fail on a bad config before any run
     args.nproc = cfg.world_size
+    args.min_lr_ratio = cfg.optim.min_lr / cfg.optim.lr
+    rates = args.lrs or [None]
     print(
-        f"study: {len(args.variants)} variants x {len(args.seeds)} seeds, "
+        f"study: {len(args.variants)} variants x {len(rates)} learning rates x "
+        f"{len(args.seeds)} seeds, "
         f"{cfg.model.num_layers} layers x {cfg.model.hidden_size}, {cfg.train.steps} steps "
         f"-> {args.out}",
         flush=True,
     )
     start = time.perf_counter()
     # seed-major order: an interrupted study still has every variant at the seeds it finished
-    run_dirs = [train_one(args, v, s) for s in args.seeds for v in args.variants]
+    run_dirs = [
+        train_one(args, v, s, lr) for s in args.seeds for lr in rates for v in args.variants
+    ]
     path = write_results(args, run_dirs, time.perf_counter() - start)
     print(f"wrote {path}", flush=True)
     return 0
