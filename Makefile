@@ -6,7 +6,8 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
 NPROC  ?= 2
 
-.PHONY: setup train train-single test lint bench clean study gpu-wheels gpu-check gpu-check-dry
+.PHONY: setup train train-single test lint bench clean study gpu-wheels gpu-check gpu-check-dry \
+        gpu-study
 
 setup: $(STAMP)
 
@@ -86,6 +87,11 @@ gpu-wheels: setup
 
 gpu-check:
 	bash launch/gpu_check.sh $(ARGS)
+
+# The GPU study (docs/results.md, "The GPU study"): the install steps, then baseline vs Block vs
+# Full AttnRes sized to what is left of 530 s; study.tar.gz comes back beside gpu.md.
+gpu-study:
+	bash launch/gpu_check.sh --only study --budget-s 530 $(ARGS)
 
 gpu-check-dry: setup
 	GPU_CHECK_DRY_RUN=1 PYTHON=$(PY) OUT=$${OUT:-gpu_check_out} bash launch/gpu_check.sh $(ARGS)

@@ -145,10 +145,19 @@ def setup_lines(args, variants: list[R.Variant], total_s: float) -> list[str]:
         "initialisation and the data order; each seed is shared by all variants).",
         f"- Config: `{args.config}` {' '.join(args.overrides)}; {args.nproc} process(es); "
         f"instrumentation every {c.get('metrics', {}).get('every_k')} steps.",
+        machine_line(args, total_s),
+    ]
+
+
+def machine_line(args, total_s: float) -> str:
+    """This machine and the study's duration, or ``--machine`` for runs trained elsewhere."""
+    if getattr(args, "machine", None):
+        return f"- Machine: {args.machine} (where the runs trained)."
+    return (
         f"- Machine: {platform.machine()}, {os.cpu_count()} CPU cores, "
         f"{'GPU ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}, "
-        f"torch {torch.__version__}; the whole study took {total_s / 60:.1f} min.",
-    ]
+        f"torch {torch.__version__}; the whole study took {total_s / 60:.1f} min."
+    )
 
 
 def write_results(args, run_dirs: list[Path], total_s: float) -> Path:
@@ -222,6 +231,9 @@ def parse_args(argv=None):
     parser.add_argument("--out", default="runs/study", help="directory of the run directories")
     parser.add_argument("--results", default="docs/results.md")
     parser.add_argument("--quick", action="store_true", help="2 variants x 1 seed x 20 steps")
+    parser.add_argument(
+        "--machine", default=None, help="the Machine line, for finished runs trained elsewhere"
+    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides for every run")
     args = parser.parse_args(argv)
     if args.quick:

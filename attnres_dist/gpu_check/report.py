@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 RUN = (
     "make gpu-wheels   # once, on a CPU machine with network: .whl/ (git-ignored, ~50 MB)\n"
@@ -183,6 +184,39 @@ def _generate(steps: dict) -> list[str]:
     return out + [""]
 
 
+def _study(steps: dict) -> list[str]:
+    """The GPU study's plan and runs (the archive holds the full results)."""
+    r = _result(steps, "study")
+    corpus, plan = r.get("corpus", {}), r.get("plan", {})
+    lines = []
+    if corpus:
+        lines += [
+            f"Corpus: {corpus['files']:,} installed Python files, {corpus['train_tokens']:,} + "
+            f"{corpus['valid_tokens']:,} byte tokens (train + valid) in {corpus['seconds']} s; "
+            f"file list sha256 `{corpus['file_list_sha256'][:16]}`.",
+            "",
+        ]
+    if plan:
+        cal = plan["calibration"]
+        lines += [
+            f"Plan: {plan['steps']} steps per run ({r.get('tokens_per_run', 0):,} tokens) at "
+            f"learning rates {', '.join(f'{lr:g}' for lr in plan['lrs'])}, from a calibration "
+            f"run of Full AttnRes ({cal['startup_s']} s start-up, {cal['step_s']} s per step).",
+            "",
+        ]
+    rows = [
+        [x["run"], x["final_valid_loss"], x["tokens_per_s"], x["wall_s"]] for x in r.get("runs", [])
+    ]
+    if rows:
+        lines += _table(["run", "final validation loss", "tokens/s", "wall s"], rows)
+        lines += [
+            f"Noise (baseline's last validation losses, max - min): {r.get('noise_last_evals')}. "
+            f"Results, figures and run files: `{Path(r.get('archive', 'study.tar.gz')).name}`.",
+            "",
+        ]
+    return lines
+
+
 def markdown(summary: dict) -> str:
     steps = _by_name(summary)
     title = "GPU check (dry run on a CPU)" if summary["dry_run"] else "GPU check"
@@ -219,5 +253,7 @@ def markdown(summary: dict) -> str:
     out += ["## Where the step's time goes", "", *_step_profile(steps)]
     out += ["## Depth attention", "", *_depth_attention(steps)]
     out += ["## Generate", "", *_generate(steps)]
+    if "study" in steps:
+        out += ["## Study: baseline vs Block vs Full AttnRes", "", *_study(steps)]
     out += ["## Running it", "", "```", RUN, "```", ""]
     return "\n".join(out)

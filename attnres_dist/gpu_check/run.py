@@ -67,6 +67,8 @@ STEPS = (
     Step("train_tiny", 150, "configs/tiny.yaml on one GPU, bf16, local spec (TE if present)", 2),
     Step("generate", 120, "export the tiny run, generate on the GPU", lane=2),
     Step("train_125m", 120, "configs/gpt-125m.yaml on one GPU, bf16, a few steps", lane=2),
+    # make gpu-study: alone, after the install steps, with the rest of the budget
+    Step("study", 540, "baseline vs Block vs Full AttnRes at ~21M (--only)", default=False),
 )
 MIN_STEP_S = 15  # a step with less time left than this is skipped
 
@@ -273,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget_s
+    os.environ["GPU_CHECK_OUT"] = str(out.resolve())  # where a step leaves a file to bring back
 
     def left() -> float:
         return deadline - time.monotonic()

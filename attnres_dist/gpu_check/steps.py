@@ -227,7 +227,7 @@ def depth_attention(work: Path, dry: bool) -> dict:
 
 
 def _steps():
-    from attnres_dist.gpu_check import step_profile, train_steps
+    from attnres_dist.gpu_check import step_profile, study_step, train_steps
 
     return {
         "machine": machine,
@@ -238,6 +238,7 @@ def _steps():
         "step_time": train_steps.step_time,
         "step_profile": step_profile.step_profile,
         "generate": train_steps.generate,
+        "study": study_step.study_runs,
     }
 
 
