@@ -46,5 +46,5 @@ def test_dry_study_runs_every_variant_and_archives_the_results(tmp_path, monkeyp
 def test_plan_fits_the_limit_and_falls_back_to_one_rate():
     # 540 s, 20 s start-up, 0.1 s a step: 6 runs get 0.85 * 540 / 6 - 20 = 56.5 s -> 565 steps
     assert study_step.plan(540, 20, 0.1, dry=False) == (565, [1e-3, 3e-3])
-    # 0.4 s a step: 141 steps at two rates (< 300), so one rate: 0.85 * 540 / 3 - 20 = 133 s
+    # 0.4 s a step: 141 steps at two rates (< 500), so one rate: 0.85 * 540 / 3 - 20 = 133 s
     assert study_step.plan(540, 20, 0.4, dry=False) == (332, [1e-3])

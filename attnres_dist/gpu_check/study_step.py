@@ -32,7 +32,7 @@ from pathlib import Path
 CONFIG = "configs/study-gpu-1.yaml"
 VARIANTS = ("baseline", "block", "full")
 LRS = (1e-3, 3e-3)  # two rates when the budget allows; the first alone when it does not
-MIN_STEPS = 300  # fewer steps per run than this at two rates: one rate instead
+MIN_STEPS = 500  # fewer steps per run than this at two rates: one rate instead
 CALIBRATION_STEPS = 30
 CORPUS_BYTES = 256 << 20
 DRY = [  # a dry run keeps the code path, not the size
