@@ -68,6 +68,10 @@ STEPS = (
     Step("generate", 120, "export the tiny run, generate on the GPU", lane=2),
     Step("train_125m", 120, "configs/gpt-125m.yaml on one GPU, bf16, a few steps", lane=2),
 )
+# What docker/Dockerfile's NGC flavour runs (FLAVOUR's default), read from the one list of
+# requirements; tests/test_docker.py holds the two to the same invocation.
+REQUIREMENTS = ("docker/requirements.py", "--flavour", "ngc", "pyproject.toml")
+CHECK_BASE = ("docker/check_base.py", "--flavour", "ngc", "pyproject.toml")
 MIN_STEP_S = 15  # a step with less time left than this is skipped
 
 
@@ -163,7 +167,7 @@ def install_steps(venv: Path, wheels: Path, work: Path, dry: bool, log, left) ->
         elif step.name == "requirements":
             reqs = work / "requirements.txt"
             listed = subprocess.run(
-                [str(py), "docker/requirements.py", "pyproject.toml"],
+                [str(py), *REQUIREMENTS],
                 cwd=REPO,
                 capture_output=True,
                 text=True,
@@ -203,7 +207,7 @@ def install_steps(venv: Path, wheels: Path, work: Path, dry: bool, log, left) ->
             status, rc, tail = _run(cmd, log, timeout)
             record |= {"status": status, "rc": rc, "tail": tail}
         elif step.name == "check_base":
-            status, rc, tail = _run([py, "docker/check_base.py", "pyproject.toml"], log, timeout)
+            status, rc, tail = _run([py, *CHECK_BASE], log, timeout)
             record |= {"status": status, "rc": rc, "tail": tail}
         record["seconds"] = round(time.monotonic() - start, 1)
         records.append(record)
