@@ -140,9 +140,12 @@ if ((OWNER_UID == 0)); then
 else
     USER_FLAGS=(--user "$OWNER_UID:$OWNER_GID" -e HOME=/tmp)
 fi
-chown "$OWNER_UID:$OWNER_GID" "$RUNS"
+# The prepared corpus (.cache/) is kept in runs/docker-check/ too: made once, not per container.
+mkdir -p "$RUNS/.cache"
+chown "$OWNER_UID:$OWNER_GID" "$RUNS" "$RUNS/.cache"
 RUN=(podman run --rm --pull=never --shm-size=1g "${ULIMITS[@]}" "${USER_FLAGS[@]}"
-    -v "$RUNS:/workspace/attnres_dist/runs/docker-check")
+    -v "$RUNS:/workspace/attnres_dist/runs/docker-check"
+    -v "$RUNS/.cache:/workspace/attnres_dist/.cache")
 NET=attnres-check
 podman rm -f -i attnres-node0 attnres-node1 >/dev/null 2>&1 || true
 podman network rm -f "$NET" >/dev/null 2>&1 || true
@@ -152,18 +155,20 @@ FAILED=0
 # check NAME EXPECTED-TEXT COMMAND...: runs the command, logs to runs/docker-check/NAME.log,
 # passes when it exits 0 and its output has the expected text (a fixed string).
 check() {
-    local name=$1 expect=$2 t rc=0
+    local name=$1 expect=$2 t rc=0 what
     shift 2
+    what="$*"
+    what=${what#*"$IMAGE" }  # what ran in the container (the podman flags are the same for all)
     t=$(date +%s)
     "$@" >"$RUNS/$name.log" 2>&1 || rc=$?
     t=$(($(date +%s) - t))
     if ((rc == 0)) && grep -qF -- "$expect" "$RUNS/$name.log"; then
         RESULTS+=("$(printf '%-14s ok      %4d s' "$name" "$t")")
-        say "$name: ok in $t s: ${*:2}"
+        say "$name: ok in $t s: $what"
     else
         FAILED=1
         RESULTS+=("$(printf '%-14s FAILED  %4d s' "$name" "$t")")
-        say "$name: FAILED (exit $rc, wanted \"$expect\") in $t s: ${*:2}"
+        say "$name: FAILED (exit $rc, wanted \"$expect\") in $t s: $what"
         tail -n 25 "$RUNS/$name.log" | sed 's/^/    | /'
     fi
 }
@@ -185,8 +190,8 @@ check resume "resumed from" "${RUN[@]}" "$IMAGE" launch torchrun "${TINY[@]}" \
     train.steps=36 checkpoint.every=12 output.run_dir=runs/docker-check/tiny
 check owner "step-00000036" stat -c '%u:%g %n' "$RUNS/tiny/metrics.jsonl" \
     "$RUNS/tiny/checkpoints/step-00000036"
-owners=$(stat -c '%u:%g' "$RUNS/tiny/metrics.jsonl" "$RUNS/tiny/checkpoints/step-00000036" \
-    2>/dev/null | sort -u)
+owners=$({ stat -c '%u:%g' "$RUNS/tiny/metrics.jsonl" "$RUNS/tiny/checkpoints/step-00000036" \
+    2>/dev/null || true; } | sort -u)
 if [[ $owners != "$OWNER_UID:$OWNER_GID" ]]; then
     FAILED=1
     RESULTS+=("$(printf '%-14s FAILED' owner)")
