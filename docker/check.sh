@@ -143,9 +143,10 @@ fi
 # The prepared corpus (.cache/) is kept in runs/docker-check/ too: made once, not per container.
 mkdir -p "$RUNS/.cache"
 chown "$OWNER_UID:$OWNER_GID" "$RUNS" "$RUNS/.cache"
-RUN=(podman run --rm --pull=never --shm-size=1g "${ULIMITS[@]}" "${USER_FLAGS[@]}"
+KEPT=(podman run --pull=never --shm-size=1g "${ULIMITS[@]}" "${USER_FLAGS[@]}"
     -v "$RUNS:/workspace/attnres_dist/runs/docker-check"
     -v "$RUNS/.cache:/workspace/attnres_dist/.cache")
+RUN=("${KEPT[@]:0:2}" --rm "${KEPT[@]:2}")
 NET=attnres-check
 podman rm -f -i attnres-node0 attnres-node1 >/dev/null 2>&1 || true
 podman network rm -f "$NET" >/dev/null 2>&1 || true
@@ -177,7 +178,7 @@ check() {
 losses() {
     python3 -c 'import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-print(" ".join(f"{r[\"loss\"]:.6f}" for r in rows if r["kind"] == "train"))' \
+print(" ".join(repr(r["loss"]) for r in rows if r["kind"] == "train"))' \
         "$RUNS/$1/metrics.jsonl"
 }
 
@@ -217,15 +218,17 @@ two_nodes() {
     podman network create --subnet "$subnet.0/24" "$NET" >/dev/null
     local node=(-e NNODES=2 -e NPROC=1 -e "RDZV_ENDPOINT=$subnet.10:29400" -e RDZV_ID=check
         -e GLOO_SOCKET_IFNAME=eth0 --network "$NET")
-    "${RUN[@]}" -d --name attnres-node0 --ip "$subnet.10" "${node[@]}" -e NODE_RANK=0 \
+    # node 0 is kept after it exits (no --rm) so that its exit status and log can be read
+    "${KEPT[@]}" -d --name attnres-node0 --ip "$subnet.10" "${node[@]}" -e NODE_RANK=0 \
         -e "LOCAL_ADDR=$subnet.10" "$IMAGE" launch torchrun "${SHORT[@]}" \
         output.run_dir=runs/docker-check/two-nodes >/dev/null
     "${RUN[@]}" --name attnres-node1 --ip "$subnet.11" "${node[@]}" -e NODE_RANK=1 \
         -e "LOCAL_ADDR=$subnet.11" "$IMAGE" launch torchrun "${SHORT[@]}" \
         output.run_dir=runs/docker-check/two-nodes || rc=$?
-    echo "--- node 0 ---"
-    podman logs attnres-node0 2>&1 || true
+    echo "--- node 1 (exit $rc) ---"
     rc0=$(podman wait attnres-node0 2>/dev/null || echo 1)
+    echo "--- node 0 (exit $rc0) ---"
+    podman logs attnres-node0 2>&1 || true
     podman rm -f -i attnres-node0 >/dev/null 2>&1 || true
     podman network rm -f "$NET" >/dev/null 2>&1 || true
     ((rc == 0 && rc0 == 0))
