@@ -9,8 +9,7 @@
 # /var/lib/attnres-dist/containers, so a second run on the machine reuses the base and the
 # cached layers. Needs root (rootful podman, debootstrap) and Debian's apt for what is missing.
 #
-#   bash docker/check.sh          (make docker-check)
-#   KEEP=1 bash docker/check.sh   keeps runs/docker-check/ of a successful run (default: kept)
+#   bash docker/check.sh          (make docker-check; logs and runs stay in runs/docker-check/)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
@@ -118,6 +117,8 @@ podman build --pull=never --layers --format docker -f docker/Dockerfile -t "$IMA
     die "podman build failed (log above, all of it in $log)"
 }
 BUILD_S=$(($(date +%s) - t))
+# The image a previous run built is left untagged; its own layers go (the shared ones stay).
+podman image prune -f >/dev/null 2>&1 || true
 grep -h '^base check' "$log" | tail -n 1 | sed 's/^/docker-check: build: /' || true
 SIZE=$(podman image inspect --format '{{.Size}}' "$IMAGE")
 say "build: done in ${BUILD_S} s ($(grep -c 'Using cache' "$log" || true) cached steps)," \
