@@ -57,17 +57,21 @@ study: setup
 clean:
 	rm -rf runs bench_results .cache
 
-# The GPU image (docker/Dockerfile, docs/docker.md). No Docker engine is needed to lint it:
-# `make lint` and the test suite run hadolint on the Dockerfile.
-.PHONY: docker-build docker-run
+# The image (docker/Dockerfile, docs/docker.md): the NGC flavour by default, the CPU flavour
+# with DOCKER_BUILD_ARGS. `make lint` and the test suite run hadolint on the Dockerfile;
+# `make docker-check` builds the CPU flavour with podman and runs it.
+.PHONY: docker-build docker-run docker-check
 IMAGE       ?= attnres-dist:latest
 DOCKER      ?= docker
 DOCKER_GPUS ?= --gpus all
 # What the container runs: attnres-dist arguments, or `launch torchrun|deepspeed|mpirun ...`.
 DOCKER_ARGS ?= launch torchrun --config $(CONFIG)
 
+# DOCKER_BUILD_ARGS: e.g. the CPU flavour, --build-arg BASE_IMAGE=python:3.11-slim-bookworm
+# --build-arg FLAVOUR=cpu (docs/docker.md)
+DOCKER_BUILD_ARGS ?=
 docker-build:
-	$(DOCKER) build -f docker/Dockerfile -t $(IMAGE) .
+	$(DOCKER) build -f docker/Dockerfile $(DOCKER_BUILD_ARGS) -t $(IMAGE) .
 
 # runs/ and .cache/ (datasets) live on the host and are written as the calling user; NCCL and
 # DeepSpeed want the host's IPC namespace and unlimited locked memory.
@@ -95,3 +99,11 @@ gpu-study:
 
 gpu-check-dry: setup
 	GPU_CHECK_DRY_RUN=1 PYTHON=$(PY) OUT=$${OUT:-gpu_check_out} bash launch/gpu_check.sh $(ARGS)
+
+# The CPU flavour of the image, built with podman over a locally made Debian base and run for
+# real: check-config, the main job, its resume, deepspeed, mpirun, export + generate, and two
+# containers as two nodes (docker/check.sh, docs/docker.md). Needs root; installs podman and
+# debootstrap with apt where they are missing. Images and layers persist under
+# /var/lib/attnres-dist, so a second run reuses them.
+docker-check:
+	bash docker/check.sh

@@ -47,7 +47,7 @@ def write_hostfile(path: Path, text: str) -> str:
     return str(path)
 
 
-def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 300) -> None:
+def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 600) -> None:
     try:
         for proc in procs:
             proc.wait(timeout=timeout)

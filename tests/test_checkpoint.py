@@ -183,7 +183,7 @@ def test_elastic_restart_after_a_rank_is_killed_while_saving(reference, small_da
         *args_for(small_dataset, run_dir, pp=2),
     ]
     proc = subprocess.run(
-        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400, check=False
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False
     )
     out = proc.stdout + proc.stderr
     tail = "\n".join(out.splitlines()[-40:])

@@ -25,7 +25,7 @@ def dry_run(launcher: str, *args: str, **env: str) -> list[list[str]]:
         env=script_env(**env),
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=120,  # a Python start-up or two; generous for a loaded machine
     )
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stdout.splitlines() if not line.startswith("#")]
@@ -201,7 +201,7 @@ def run_script_fast(launcher: str, *args: str, **env: str) -> subprocess.Complet
         env=script_env(**env),
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=120,  # a Python start-up or two; generous for a loaded machine
     )
 
 

@@ -41,7 +41,7 @@ SUBNET = "10.78.0"
 IFACE = "arnet0"  # the veth end's name inside each namespace
 RDZV_PORT = 29400  # free by construction: the namespaces are new
 TOL = 1e-5
-TIMEOUT_S = 240
+TIMEOUT_S = 600
 
 JOB = [
     "--config",

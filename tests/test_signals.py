@@ -127,7 +127,7 @@ def test_wandb_offline_run_gets_the_metrics(tmp_path, monkeypatch):
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     (record,) = runs[0].glob("*.wandb")  # the offline run, for `wandb sync`
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300  # slow on a loaded machine; ends at the record
     while b"valid/loss" not in record.read_bytes() and time.monotonic() < deadline:
         time.sleep(0.5)  # wandb's service process writes the record file after finish()
     logged = record.read_bytes()

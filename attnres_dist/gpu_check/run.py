@@ -70,6 +70,10 @@ STEPS = (
     # make gpu-study: alone, after the install steps, with the rest of the budget
     Step("study", 540, "baseline vs Block vs Full AttnRes at ~21M (--only)", default=False),
 )
+# What docker/Dockerfile's NGC flavour runs (FLAVOUR's default), read from the one list of
+# requirements; tests/test_docker.py holds the two to the same invocation.
+REQUIREMENTS = ("docker/requirements.py", "--flavour", "ngc", "pyproject.toml")
+CHECK_BASE = ("docker/check_base.py", "--flavour", "ngc", "pyproject.toml")
 MIN_STEP_S = 15  # a step with less time left than this is skipped
 
 
@@ -165,7 +169,7 @@ def install_steps(venv: Path, wheels: Path, work: Path, dry: bool, log, left) ->
         elif step.name == "requirements":
             reqs = work / "requirements.txt"
             listed = subprocess.run(
-                [str(py), "docker/requirements.py", "pyproject.toml"],
+                [str(py), *REQUIREMENTS],
                 cwd=REPO,
                 capture_output=True,
                 text=True,
@@ -205,7 +209,7 @@ def install_steps(venv: Path, wheels: Path, work: Path, dry: bool, log, left) ->
             status, rc, tail = _run(cmd, log, timeout)
             record |= {"status": status, "rc": rc, "tail": tail}
         elif step.name == "check_base":
-            status, rc, tail = _run([py, "docker/check_base.py", "pyproject.toml"], log, timeout)
+            status, rc, tail = _run([py, *CHECK_BASE], log, timeout)
             record |= {"status": status, "rc": rc, "tail": tail}
         record["seconds"] = round(time.monotonic() - start, 1)
         records.append(record)
