@@ -75,7 +75,8 @@ class ModelBuilder:
         chosen = self.runtime.depth_attention
         if requested == "auto" and chosen is not None:
             return chosen.value
-        return select_depth_attention(requested, self.runtime.device.value).value
+        device, compiled = self.runtime.device.value, self.runtime.compiled
+        return select_depth_attention(requested, device, compiled).value
 
     @property
     def num_parts(self) -> int:
@@ -101,6 +102,8 @@ class ModelBuilder:
                 impl=self.depth_attention,
                 rotary_base=self.model.rotary_base,
             )
+        if self.runtime.compiled:
+            part.compile_region()
         return part
 
     def final(self) -> FinalAggregation:
