@@ -29,6 +29,12 @@ from attnres_dist.model.sequence_context import sequence_context
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
 from attnres_dist.runtime.select import select_runtime
+from tests.equivalence_helpers import (
+    assert_matches,
+    overrides,
+    single_process_reference,
+    train_case,
+)
 from tests.tiny_model import VOCAB, randomize_mixers, tiny_overrides
 
 # (mode, block size): 3 layers = 6 sublayers, so block size 4 leaves an uneven last block
@@ -127,6 +133,9 @@ def test_fullgraph_forward_and_backward(mode, block_size):
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-5)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-5, msg=name)
+    with torch.no_grad():  # evaluation: another graph per layer (no grad, no dropout)
+        evaluated = compiled.eval().loss(window(1))
+        torch.testing.assert_close(evaluated, eager.eval().loss(window(1)), rtol=0, atol=1e-5)
 
 
 def test_recompiles_once_per_layer():
@@ -156,3 +165,18 @@ def test_inductor_matches_eager(mode, block_size):
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-5)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-5, msg=name)
+
+
+def test_pipeline_1f1b_compiled_matches_eager(small_dataset, tmp_path):
+    """pp = 2 (torchrun, DeepSpeed's 1F1B), every layer compiled by inductor, against the
+    eager single-process run of the same ops: 3 optimizer steps, losses and every parameter
+    within 1e-5 (the equivalence grids' tolerance), Block with an uneven last block, dropout."""
+    ops = {
+        "model.attnres.impl": "twophase",
+        "runtime.fused_norm": "off",
+        "model.hidden_dropout": 0.1,
+    }
+    reference = single_process_reference(small_dataset, tmp_path, **ops)
+    args = overrides(small_dataset, "block", str(tmp_path / "pp2"), pp=2, **ops)
+    result = train_case(tmp_path, "pp2", [*args, "runtime.compile=layer"], nproc=2)
+    assert_matches(result, reference, "compile pp2 block")
