@@ -95,6 +95,7 @@ def test_compile_choice_takes_traceable_ops():
     [
         ("model.attention_dropout=0.1", "runtime.compile"),
         ("parallel.recompute=attnres", "runtime.compile"),
+        ("parallel.tp=2", "runtime.compile"),
         ("model.attnres.impl=cpu_fused", "model.attnres.impl"),
         ("runtime.fused_norm=on", "runtime.fused_norm"),
     ],

@@ -214,6 +214,12 @@ def _validate_compile(cfg: Config) -> None:
         f"{cfg.model.attention_dropout}: its RNG fork breaks the graph); use off or auto",
     )
     _require(
+        cfg.parallel.tp == 1,
+        "runtime.compile",
+        f"'layer' does not run tensor parallelism yet (parallel.tp={cfg.parallel.tp}: Megatron's "
+        "linears all-reduce asynchronously in backward); use off or auto",
+    )
+    _require(
         cfg.parallel.recompute != "attnres",
         "runtime.compile",
         "'layer' does not run parallel.recompute=attnres yet (its checkpoint sits inside the "
