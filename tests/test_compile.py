@@ -9,7 +9,9 @@
 * Same numbers: the loss and every parameter's gradient of a compiled model (inductor's CPU
   backend) equal the eager model's with the same weights and ops within 1e-5 (fp32), for the
   baseline, Block with an uneven last block and Full, hidden dropout 0.1 on (both draw the same
-  masks: the layout-independent streams, and inductor's ``fallback_random``).
+  masks: the layout-independent streams, and inductor's ``fallback_random``); so do 3 training
+  steps of a pp = 2 pipeline on each schedule (1F1B, DualPipeV, interleaved) against the eager
+  single process, and full recompute around compiled layers.
 The eager model is the reference: nothing here compares the compiled model to itself.
 """
 
@@ -185,10 +187,19 @@ def test_inductor_matches_eager(mode, block_size):
         torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-5, msg=name)
 
 
-def test_pipeline_1f1b_compiled_matches_eager(small_dataset, tmp_path):
-    """pp = 2 (torchrun, DeepSpeed's 1F1B), every layer compiled by inductor, against the
-    eager single-process run of the same ops: 3 optimizer steps, losses and every parameter
-    within 1e-5 (the equivalence grids' tolerance), Block with an uneven last block, dropout."""
+SCHEDULES = {
+    "1f1b": (),
+    "dualpipev": ("parallel.schedule=dualpipev",),
+    "interleaved": ("parallel.schedule=interleaved", "parallel.virtual_stages=2"),
+}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pipeline_compiled_matches_eager(schedule, small_dataset, tmp_path):
+    """pp = 2 (torchrun, DeepSpeed's engine on each schedule), every layer compiled by
+    inductor, against the eager single-process run of the same ops: 3 optimizer steps,
+    losses and every parameter within 1e-5 (the equivalence grids' tolerance), Block with an
+    uneven last block, dropout 0.1."""
     ops = {
         "model.attnres.impl": "twophase",
         "runtime.fused_norm": "off",
@@ -196,5 +207,6 @@ def test_pipeline_1f1b_compiled_matches_eager(small_dataset, tmp_path):
     }
     reference = single_process_reference(small_dataset, tmp_path, **ops)
     args = overrides(small_dataset, "block", str(tmp_path / "pp2"), pp=2, **ops)
-    result = train_case(tmp_path, "pp2", [*args, "runtime.compile=layer"], nproc=2)
-    assert_matches(result, reference, "compile pp2 block")
+    args = [*args, *SCHEDULES[schedule], "runtime.compile=layer"]
+    result = train_case(tmp_path, "pp2", args, nproc=2)
+    assert_matches(result, reference, f"compile pp2 {schedule} block")
