@@ -237,3 +237,20 @@ def test_precision_bench_smoke(small_dataset, tmp_path):
     assert all(x["step_s"]["median"] > 0 for x in v.values())
     text = "\n".join(precision_markdown(result))
     assert "Precision and ZeRO-1" in text and "| zero1 |" in text
+
+
+def test_compile_bench_smoke(tmp_path):
+    """Every layer one graph, no break, one compile per layer and no recompile; the counts
+    and the summary rows exist for each mode (aot_eager: no code generation)."""
+    from attnres_dist.bench import compile_bench
+
+    shape = ("model.num_layers=2", "model.hidden_size=32")
+    result = compile_bench.run(tmp_path, backend="aot_eager", shape=shape, batch=2, seq=16, steps=2)
+    assert (tmp_path / "compile.json").exists()
+    assert set(result["modes"]) == {"baseline", "block", "full"}
+    for m in result["modes"].values():
+        assert (m["graphs"], m["graph_breaks"]) == (2, 0)
+        assert (m["compiled_graphs"], m["recompiles"]) == (2, 0)
+        assert m["aten_ops"]["eager"] > 0 and m["aten_ops"]["compiled"] > 0
+    rows = compile_bench.markdown_rows(result)
+    assert len(rows) == 3 and rows[1].startswith("| compiled step time / eager, block |")

@@ -10,7 +10,9 @@ plain-PyTorch GPT), the generation benchmark (``generation_bench``,
 in this process) and the RMSNorm benchmark (``norm_bench``: the C kernel against torch's, and the
 fused merge + norm against the two kernels composed) and the core binding benchmark
 (``binding_bench``: a pp = 2 step with each rank on its own cores vs on the scheduler's,
-alternating 2-rank jobs);
+alternating 2-rank jobs) and the compile benchmark (``compile_bench``, in this process:
+graphs, graph breaks, recompiles and compile time of ``runtime.compile: layer`` per residual
+mode, its step time and aten ops per step against eager);
 the model and generation benchmarks open a one-process group. Each writes its own JSON into
 ``DIR``. The summary lists each ratio with what it compares, and the
 per-boundary bytes predicted by the activation contract next to the bytes measured on the wire.
@@ -25,6 +27,7 @@ from pathlib import Path
 
 from attnres_dist.bench import (
     binding_bench,
+    compile_bench,
     depth_attention_bench,
     generation_bench,
     model_bench,
@@ -241,6 +244,7 @@ def summary_markdown(
     prec: dict | None = None,
     norm: dict | None = None,
     binding: dict | None = None,
+    compiled: dict | None = None,
 ) -> str:
     r, p = depth["ratios"], pipe["ratios"]
     v = pipe["variants"]
@@ -296,6 +300,7 @@ def summary_markdown(
         *(generation_rows(gen) if gen is not None else []),
         *(norm_bench.markdown_rows(norm) if norm is not None else []),
         *([] if model is None else _model_rows(model)),
+        *([] if compiled is None else compile_bench.markdown_rows(compiled)),
         *_memory_rows(pipe),
         "",
         "## Bytes per boundary and micro-batch: contract prediction vs DeepSpeed's wire",
@@ -356,6 +361,7 @@ def main(argv: list[str] | None = None) -> None:
         gen = generation_bench.run(out, new=16, reps=1, warmup=0)
         norm = norm_bench.run(out, tokens=256, reps=3, warmup=1)
         binding = binding_bench.run(out, reps=2, warmup=1, rounds=1)
+        compiled = compile_bench.run(out, backend="aot_eager", batch=2, seq=32, steps=3)
     else:
         depth = depth_attention_bench.run(out)
         pipe = pipeline_bench.run(out)
@@ -364,7 +370,8 @@ def main(argv: list[str] | None = None) -> None:
         gen = generation_bench.run(out)
         norm = norm_bench.run(out)
         binding = binding_bench.run(out)
-    text = summary_markdown(depth, pipe, gen, model, prec, norm, binding)
+        compiled = compile_bench.run(out)
+    text = summary_markdown(depth, pipe, gen, model, prec, norm, binding, compiled)
     (out / "summary.md").write_text(text)
     print(text)
 

@@ -156,6 +156,7 @@ def validate(cfg: Config) -> None:
     unit = "stage" if per_rank == 1 else "chunk"
     _validate_partition(p.partition, p.pp * per_rank, m.num_layers, unit)
     _validate_runtime(cfg.runtime)
+    _validate_compile(cfg)
     _require(
         p.recompute in ("none", "attnres", "full"),
         "parallel.recompute",
@@ -197,6 +198,7 @@ def _validate_runtime(r: RuntimeConfig) -> None:
         ("core_attention", ("auto", "sdpa", "megatron")),
         ("cpu_allocator", ("auto", "retain", "system")),
         ("cpu_binding", ("none", "cores")),
+        ("compile", ("auto", "off", "layer")),
     ):
         value = getattr(r, name)
         _require(
@@ -204,6 +206,30 @@ def _validate_runtime(r: RuntimeConfig) -> None:
             f"runtime.{name}",
             f"got {value!r}; allowed: {', '.join(allowed)}",
         )
+
+
+def _validate_compile(cfg: Config) -> None:
+    """What a compiled layer does not run yet: refused, never silently run eagerly."""
+    if cfg.runtime.compile != "layer":
+        return
+    _require(
+        cfg.model.attention_dropout == 0,
+        "runtime.compile",
+        f"'layer' does not run attention dropout yet (model.attention_dropout="
+        f"{cfg.model.attention_dropout}: its RNG fork breaks the graph); use off or auto",
+    )
+    _require(
+        cfg.parallel.tp == 1,
+        "runtime.compile",
+        f"'layer' does not run tensor parallelism yet (parallel.tp={cfg.parallel.tp}: Megatron's "
+        "linears all-reduce asynchronously in backward); use off or auto",
+    )
+    _require(
+        cfg.parallel.recompute != "attnres",
+        "runtime.compile",
+        "'layer' does not run parallel.recompute=attnres yet (its checkpoint sits inside the "
+        "layer's graph); use recompute none or full, or compile off or auto",
+    )
 
 
 def _validate_partition(partition, pp: int, num_layers: int, unit: str = "stage") -> None:

@@ -132,9 +132,13 @@ class RuntimeConfig:
     cpu_allocator: str = "auto"
     # none | cores: each local rank on its own share of the cores (parallel/core_binding.py)
     cpu_binding: str = "none"
+    # auto | off | layer: run each transformer layer as one torch.compile graph (regional
+    # compile, runtime/select.py says when auto takes it); layer takes the torch depth-attention
+    # ops and torch's RMSNorm, which the compiler sees, in place of the C kernels
+    compile: str | bool = "auto"
 
     def __post_init__(self):
-        for name in ("fused_norm", "fused_optimizer"):
+        for name in ("fused_norm", "fused_optimizer", "compile"):
             value = getattr(self, name)
             if isinstance(value, bool):
                 setattr(self, name, "on" if value else "off")

@@ -33,6 +33,7 @@ from attnres_dist.model import dropout_streams
 from attnres_dist.model.depth_mixing import DepthMixer, configure_segments, merge_inputs
 from attnres_dist.model.depth_state import DepthState
 from attnres_dist.model.recompute import checkpoint
+from attnres_dist.model.sdpa_attention import SdpaAttention
 from attnres_dist.model.sequence_context import sequence_context, with_layout
 
 __all__ = ["AttnResLayer", "DepthMixer", "configure_recompute", "configure_segments"]
@@ -71,6 +72,30 @@ class AttnResLayer(torch.nn.Module):
         self.store_capacity = plan.final_num_sources  # rows of the block store's buffer
         self.segments = {}  # sublayer -> Segment (two-phase schedule)
         configure_segments([self], plan)
+        core = getattr(megatron_layer.self_attention, "core_attention", None)
+        self._sdpa = isinstance(core, SdpaAttention)
+        self._region = self.sublayers  # the compiled region (``compile_region``) or itself
+
+    def compile_region(self, backend: str = "inductor") -> None:
+        """Run :meth:`sublayers` as one ``torch.compile`` graph (``fullgraph``: a graph break
+        is an error, never a silent split); the sequence context and the dropout streams'
+        seeding stay outside, as its inputs.
+
+        Static shapes: each layer is its own graph anyway (its block structure is Python
+        control flow), so dynamic shapes would only add guards. Every layer's region shares
+        one code object, whose cache then holds an entry per layer and mode (train, eval): the
+        recompile limit is raised to that. Inductor draws dropout masks from torch's generator
+        as eager does (``fallback_random``), so the layout-independent streams
+        (``model/dropout_streams.py``) and the eager reference see the same masks."""
+        import torch._dynamo
+
+        entries = 2 * self.plan.num_layers + 8  # train and eval per layer, and a margin
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, entries)
+        options = {"fallback_random": True} if backend == "inductor" else None
+        self._region = torch.compile(
+            self.sublayers, backend=backend, fullgraph=True, dynamic=False, options=options
+        )
 
     def sublayer_norms(self) -> list:
         """The norm in front of the attention and the one in front of the MLP: the local
@@ -87,8 +112,10 @@ class AttnResLayer(torch.nn.Module):
     # -- sublayer functions f(x) = Sublayer(Norm(x)); outputs are the raw v_i of the paper --
 
     def _attention(self, normed, ctx):
+        # SDPA runs a plain causal mask as is_causal: passed no mask, it takes its mask type
+        mask = None if ctx.causal and self._sdpa else ctx.attention_mask
         out, bias = self.layer.self_attention(
-            normed, attention_mask=ctx.attention_mask, rotary_pos_emb=ctx.rotary_pos_emb
+            normed, attention_mask=mask, rotary_pos_emb=ctx.rotary_pos_emb
         )
         return out if bias is None else out + bias
 
@@ -139,11 +166,15 @@ class AttnResLayer(torch.nn.Module):
         ref = state.partial if state.store is None else state.store[0]
         ctx = sequence_context(self.layer.config, ref, self.rotary_base, self.rope_scaling_factor)
         ctx = with_layout(ctx, state.layout)
-        first = self.first_sublayer
         with dropout_streams.layer_streams(self.layer_index, self.training and self.uses_dropout):
-            state = self._sublayer(state, first, ctx)
-            state = self._sublayer(state, first + 1, ctx)
+            state = self._region(state, ctx)
         return replace(state, layers_done=self.layer_index + 1)
+
+    def sublayers(self, state: DepthState, ctx) -> DepthState:
+        """The layer's two sublayers on ``state``: the region ``compile_region`` compiles."""
+        first = self.first_sublayer
+        state = self._sublayer(state, first, ctx)
+        return self._sublayer(state, first + 1, ctx)
 
     def forward(self, state: DepthState) -> DepthState:
         if state.layers_done > self.layer_index:

@@ -118,6 +118,15 @@ class _StackParameters(torch.autograd.Function):
         return tuple(g.clone() for g in grad.unbind(0))
 
 
+def _stack_parameters(params: list) -> torch.Tensor:
+    """``torch.stack(params)``, through ``_StackParameters`` where a backward will run.
+    (Without grad there is no gradient to hand back; and TorchDynamo traces the Function's
+    variadic forward under no_grad with its first argument only: a one-row stack.)"""
+    if not torch.is_grad_enabled():
+        return torch.stack(params)
+    return _StackParameters.apply(*params)
+
+
 @dataclass
 class Segment:
     """Consecutive local sublayers ``first ..`` whose queries phase 1 runs together."""
@@ -167,8 +176,8 @@ class Segment:
                 into["first_norm"] = (self.first_norm.weight, self.first_norm.eps)
             out1, lse = op.phase1_split(store, queries, gains, eps=eps, **into)
         else:
-            queries = _StackParameters.apply(*(m.query for m in self.mixers))
-            gains = _StackParameters.apply(*(m.key_norm_weight for m in self.mixers))
+            queries = _stack_parameters([m.query for m in self.mixers])
+            gains = _stack_parameters([m.key_norm_weight for m in self.mixers])
             out1, lse = op.phase1(store, queries, gains, eps=eps, **into)
             # unbind once: one backward node stacks the S gradients, where S separate index
             # ops would each fill a zero tensor of the whole [S, ...] and add it up

@@ -276,6 +276,11 @@ class DepthState:
         dtype = self.store.dtype
         if addend is not None and (row.dtype != dtype or addend.dtype != dtype):
             row, addend = row + addend, None  # the sum in the sources' precision, then cast
+        if torch.compiler.is_compiling():
+            # inside a compiled region the store is a value: a functional append, which the
+            # compiler sees (the buffer's aliases and gradient rows are eager-only)
+            row = (row if addend is None else row + addend).to(dtype)
+            return torch.cat([self.store, row.unsqueeze(0)]), row, None
         if buffer is None or buffer.capacity <= c or not buffer.holds(self.store):
             buffer = StoreBuffer(
                 torch.empty(

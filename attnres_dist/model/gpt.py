@@ -75,7 +75,8 @@ class ModelBuilder:
         chosen = self.runtime.depth_attention
         if requested == "auto" and chosen is not None:
             return chosen.value
-        return select_depth_attention(requested, self.runtime.device.value).value
+        device, compiled = self.runtime.device.value, self.runtime.compiled
+        return select_depth_attention(requested, device, compiled).value
 
     @property
     def num_parts(self) -> int:
@@ -104,6 +105,8 @@ class ModelBuilder:
             )
         if self.model.attnres.source_scaled_eps and self.plan.mode != "baseline":
             scale_norm_eps(part.sublayer_norms(), self.plan, 2 * index + 1)
+        if self.runtime.compiled:  # after the norms are final: a graph reads their epsilon
+            part.compile_region()
         return part
 
     def final(self) -> FinalAggregation:

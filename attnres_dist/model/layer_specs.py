@@ -9,6 +9,9 @@
   Megatron's ``DotProductAttention`` and ``SdpaSelfAttention`` (rotary embedding from tables)
   in place of ``SelfAttention``, or Megatron's own; the parameters are the same, so the
   choice never changes a checkpoint. The TE spec keeps TE's attention.
+* ``TraceableRowParallelLinear`` (``model/traceable_linear.py``) for the attention output
+  projection and the MLP's second linear of the local spec: Megatron's ``RowParallelLinear``
+  with the group lookup a compiler cannot trace taken out (same parameters and arithmetic).
 * norms: apex's FusedRMSNorm (GPU), the project's fused C RMSNorm (``cpu``:
   ``attnres_dist.ops.cpu_rms_norm``) or torch's RMSNorm, built with Megatron's norm signature
   (Megatron's own apex norm, FusedLayerNorm, refuses RMSNorm). All name their gain ``weight``,
@@ -20,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from attnres_dist.model.sdpa_attention import SdpaAttention, SdpaSelfAttention
+from attnres_dist.model.traceable_linear import TraceableRowParallelLinear
 from attnres_dist.ops.cpu_rms_norm import CpuRMSNorm  # Megatron's norm signature
 from attnres_dist.runtime.select import RuntimeChoice
 
@@ -30,6 +34,8 @@ def layer_spec(choice: RuntimeChoice):
     if choice.layer_spec.value == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.linear_proj = TraceableRowParallelLinear
+    spec.submodules.mlp.submodules.linear_fc2 = TraceableRowParallelLinear
     if choice.core_attention.value == "sdpa":
         spec.submodules.self_attention.module = SdpaSelfAttention
         spec.submodules.self_attention.submodules.core_attention = SdpaAttention

@@ -85,7 +85,8 @@ class SdpaAttention(DotProductAttention):
         mask, causal = None, False
         if attention_mask is None:
             causal = self.attn_mask_type == AttnMaskType.causal and sq > 1
-        elif is_plain_causal_mask(attention_mask):
+        elif not torch.compiler.is_compiling() and is_plain_causal_mask(attention_mask):
+            # (a compiled caller passes a plain causal mask as None: the lookup is eager-only)
             causal = True
         else:
             mask = ~attention_mask  # Megatron: True = masked out; SDPA: True = attends

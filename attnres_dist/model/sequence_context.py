@@ -26,6 +26,8 @@ _CAUSAL_MASKS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValu
 class SequenceContext:
     attention_mask: torch.Tensor  # [1 or b, 1, s, s] bool, True = masked (Megatron's convention)
     rotary_pos_emb: torch.Tensor  # [s, 1 or b, 1, head_dim]
+    # the mask is the plain causal one built here (a core attention may run it as is_causal)
+    causal: bool = False
 
 
 def with_layout(ctx: SequenceContext, layout) -> SequenceContext:
@@ -34,8 +36,9 @@ def with_layout(ctx: SequenceContext, layout) -> SequenceContext:
         return ctx
     table = ctx.rotary_pos_emb[:, 0, 0, :]  # [s, d]: angles of positions 0 .. s-1
     rotary = table[layout.position_ids].transpose(0, 1).unsqueeze(2)  # [s, b, 1, d]
-    mask = ctx.attention_mask if layout.attention_mask is None else layout.attention_mask
-    return SequenceContext(mask, rotary)
+    if layout.attention_mask is None:
+        return SequenceContext(ctx.attention_mask, rotary, ctx.causal)
+    return SequenceContext(layout.attention_mask, rotary)
 
 
 def sequence_context(
@@ -66,7 +69,7 @@ def _cached(
         mask = torch.triu(torch.ones(seq_len, seq_len, device=device), diagonal=1).bool()
     mask = mask[None, None]
     _CAUSAL_MASKS[id(mask)] = mask
-    return SequenceContext(mask, emb)
+    return SequenceContext(mask, emb, causal=True)
 
 
 def is_plain_causal_mask(mask: torch.Tensor) -> bool:

@@ -133,9 +133,11 @@ class _Phase1(torch.autograd.Function):
             else:
                 # the token-major product, made block-major by the add that follows it
                 mix = torch.bmm(p.transpose(0, 1), g_t).transpose(0, 1)  # [n, T, D] view
-                gb = torch.addcmul(mix, b, coef, out=torch.empty_like(b))
-            gb.view(n * tokens, dim).addmm_(d_raw.reshape(n * tokens, s), u)
-            grad_b = gb.to(blocks.dtype).view(blocks.shape)
+                # (traced, the out= tensor's strides are the compiler's: the plain sum)
+                out = None if torch.compiler.is_compiling() else torch.empty_like(b)
+                gb = torch.addcmul(mix, b, coef, out=out)
+            flat = gb.reshape(n * tokens, dim).addmm_(d_raw.reshape(n * tokens, s), u)
+            grad_b = flat.to(blocks.dtype).view(blocks.shape)
         if need_q or need_g:
             du = torch.mm(d_raw.reshape(n * tokens, s).t(), b.reshape(n * tokens, dim))  # [S, D]
             if need_q:

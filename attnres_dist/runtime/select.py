@@ -24,6 +24,14 @@ So is the host allocator's policy (``runtime.cpu_allocator``): ``auto`` on a CPU
 glibc keeps freed memory in the process (``attnres_dist.runtime.allocator``), which this
 selection applies, since it holds for the whole process from then on.
 
+Whether each transformer layer runs as one ``torch.compile`` graph (``runtime.compile``:
+``layer``; ``off``: eagerly) is chosen here as well. A compiled layer needs ops the compiler
+sees: the torch two-phase depth attention (``twophase``) and torch's RMSNorm, so ``layer``
+resolves ``auto`` to those and refuses the C kernels by name. ``auto`` compiles only where it
+was measured to pay (``COMPILE_AUTO``): not on a CPU, where compiling the layers costs more
+than a whole ``make train`` run gains (docs/compile.md), and not yet on a GPU, where it has
+not been measured.
+
 Every choice carries the reason it was made; ``RuntimeChoice.describe()`` is the one line the
 trainer prints at start-up.
 """
@@ -60,6 +68,8 @@ class RuntimeChoice:
     depth_attention: Choice | None = None
     # retain | system: the host allocator's policy for freed memory (runtime/allocator.py)
     cpu_allocator: Choice | None = None
+    # layer | off: each transformer layer one torch.compile graph, or eager
+    compile: Choice | None = None
 
     @classmethod
     def reference(cls) -> RuntimeChoice:
@@ -92,6 +102,11 @@ class RuntimeChoice:
     @property
     def on_gpu(self) -> bool:
         return self.device.value == "cuda"
+
+    @property
+    def compiled(self) -> bool:
+        """Each transformer layer runs as one torch.compile graph."""
+        return self.compile is not None and self.compile.value == "layer"
 
     @property
     def bf16(self) -> bool:
@@ -147,9 +162,37 @@ def _pick(
     return Choice(fast, probe.detail if requested == "auto" else f"set in config; {probe.detail}")
 
 
-def select_depth_attention(requested: str, device: str) -> Choice:
-    """Resolve ``model.attnres.impl`` (``auto`` or a registered name) for ``device``."""
+# what auto does on each device, and why (measured: docs/compile.md)
+COMPILE_AUTO = {
+    "cpu": Choice("off", "auto: on CPU compiling the layers costs more than a run gains"),
+    "cuda": Choice("off", "auto: not yet measured to pay on a GPU"),
+}
+# the depth-attention implementations a compiled layer traces (torch ops, no opaque kernel)
+COMPILABLE_IMPLS = ("twophase", "reference")
+
+
+def select_compile(requested: str, device: str) -> Choice:
+    """Resolve ``runtime.compile`` (``auto``, ``off`` or ``layer``) for ``device``."""
+    if requested == "auto":
+        return COMPILE_AUTO[device]
+    if requested == "layer":
+        return Choice("layer", "set in config; torch.compile per transformer layer, fullgraph")
+    return Choice("off", "set in config")
+
+
+def select_depth_attention(requested: str, device: str, compiled: bool = False) -> Choice:
+    """Resolve ``model.attnres.impl`` (``auto`` or a registered name) for ``device``;
+    ``compiled``: for a compiled layer (``COMPILABLE_IMPLS`` only)."""
     why_not = runnable_depth_attention_impls()
+    if compiled:
+        if requested == "auto":
+            return Choice("twophase", "auto: torch two-phase ops, which a compiled layer traces")
+        if requested not in COMPILABLE_IMPLS and requested in why_not:
+            raise ConfigError(
+                IMPL_FIELD,
+                f"{requested!r} is not traced by a compiled layer (runtime.compile=layer); "
+                f"use auto or one of {', '.join(COMPILABLE_IMPLS)}, or runtime.compile=off",
+            )
     if requested == "auto":
         if device == "cuda":
             # fla's fused kernel first: measured on an H200 it takes 0.76x the project's Triton
@@ -183,10 +226,27 @@ def select_runtime(runtime, depth_attention: str = "auto") -> RuntimeChoice:
     p = _Probes()
     cuda = p.get("cuda")
     device = Choice("cuda" if cuda.ok else "cpu", cuda.detail)
+    compile_choice = select_compile(runtime.compile, device.value)
+    compiled = compile_choice.value == "layer"
     layer_spec = _pick(
         p, "layer_spec", runtime.layer_spec, "te", "local", "local", "transformer_engine"
     )
-    norm = _norm(p, runtime.fused_norm)
+    if compiled and layer_spec.value == "te":
+        raise ConfigError(
+            "runtime.compile",
+            f"'layer' runs the local layer spec only, but layer_spec=te ({layer_spec.reason}); "
+            "set runtime.layer_spec=local or runtime.compile=off",
+        )
+    if compiled and runtime.fused_norm != "on":
+        norm = Choice("torch", "torch RMSNorm, which a compiled layer traces")
+    elif compiled:
+        raise ConfigError(
+            "runtime.fused_norm",
+            "'on' is a kernel a compiled layer does not trace (runtime.compile=layer); "
+            "use auto or off, or runtime.compile=off",
+        )
+    else:
+        norm = _norm(p, runtime.fused_norm)
     if norm.value == "apex" and layer_spec.value == "te":
         # the TE spec fuses each layer's norms into its linears; apex normalises the final output
         norm = Choice("apex", f"{norm.reason}; final norm only, TE fuses the layers' norms")
@@ -200,10 +260,18 @@ def select_runtime(runtime, depth_attention: str = "auto") -> RuntimeChoice:
     if dtype.value == "bf16":
         dtype = Choice("bf16", f"{dtype.reason}; DeepSpeed bf16 engine, fp32 master weights")
     core_attention = _core_attention(runtime.core_attention, layer_spec)
-    impl = select_depth_attention(depth_attention, device.value)
+    impl = select_depth_attention(depth_attention, device.value, compiled)
     cpu_allocator = _cpu_allocator(p, runtime.cpu_allocator)
     return RuntimeChoice(
-        device, layer_spec, norm, optimizer, dtype, core_attention, impl, cpu_allocator
+        device,
+        layer_spec,
+        norm,
+        optimizer,
+        dtype,
+        core_attention,
+        impl,
+        cpu_allocator,
+        compile_choice,
     )
 
 

@@ -1,0 +1,212 @@
+"""Compiled layers (``runtime.compile: layer``): whole graphs, counted recompiles, same numbers.
+
+* Every transformer layer's region (``AttnResLayer.sublayers``: the depth mixing, Megatron's
+  submodules, RoPE and the hidden dropout) traces as ONE graph with no break, in each residual
+  mode (TorchDynamo's ``explain``), and compiles forward and backward with ``fullgraph=True``
+  (the ``aot_eager`` backend: the trace and the autograd graphs, without code generation).
+* Recompiles: one graph per layer in the first training step (each layer's block structure is
+  its own), none in the second.
+* Same numbers: the loss and every parameter's gradient of a compiled model (inductor's CPU
+  backend) equal the eager model's with the same weights and ops within 1e-5 (fp32), for the
+  baseline, Block with an uneven last block and Full, hidden dropout 0.1 on (both draw the same
+  masks: the layout-independent streams, and inductor's ``fallback_random``); so do 3 training
+  steps of a pp = 2 pipeline on each schedule (1F1B, DualPipeV, interleaved) against the eager
+  single process, and full recompute around compiled layers.
+The eager model is the reference: nothing here compares the compiled model to itself.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch._dynamo
+
+from attnres_dist.config import load_config
+from attnres_dist.errors import ConfigError
+from attnres_dist.model import dropout_streams
+from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
+from attnres_dist.model.sequence_context import sequence_context
+from attnres_dist.parallel.dims import ParallelDims
+from attnres_dist.parallel.process_groups import init_distributed
+from attnres_dist.runtime.select import select_runtime
+from tests.equivalence_helpers import (
+    assert_matches,
+    overrides,
+    single_process_reference,
+    train_case,
+)
+from tests.tiny_model import VOCAB, randomize_mixers, tiny_overrides
+
+# (mode, block size): 3 layers = 6 sublayers, so block size 4 leaves an uneven last block
+MODES = [("baseline", 2), ("block", 4), ("full", 1)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    init_distributed(ParallelDims(), seed=0)
+
+
+def build(mode: str, block_size: int, compile: str = "off", **extra) -> AttnResGPT:
+    """The tiny model with the ops a compiled layer runs (torch two-phase depth attention,
+    torch RMSNorm, SDPA), compiled per layer by inductor when ``compile`` is ``layer``."""
+    ops = {"model.attnres.impl": "twophase", "runtime.fused_norm": "off"}
+    extra = {"model.hidden_dropout": 0.1, "runtime.compile": compile, **ops, **extra}
+    cfg = load_config(None, tiny_overrides(mode, block_size, 3, **extra))
+    choice = select_runtime(cfg.runtime, cfg.model.attnres.impl)
+    builder = ModelBuilder(cfg.model, VOCAB, seed=0, runtime=choice)
+    model = AttnResGPT(builder, cfg.parallel.recompute, cfg.parallel.recompute_interval)
+    randomize_mixers(model)
+    return model.train()
+
+
+def window(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(seed))
+
+
+def loss_and_grads(model: AttnResGPT, steps: int = 1):
+    """Loss and parameter gradients of ``steps`` micro-batches, dropout streams keyed."""
+    model.zero_grad(set_to_none=True)
+    dropout_streams.begin_step(seed=7, step=0)
+    try:
+        losses = []
+        for i in range(steps):
+            loss = model.loss(window(i))
+            loss.backward()
+            losses.append(loss.detach())
+    finally:
+        dropout_streams.end()
+    return torch.stack(losses), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_compile_choice_takes_traceable_ops():
+    """``layer`` resolves the depth attention and the norm to torch ops; auto stays eager
+    on CPU; the start-up line says so."""
+    cfg = load_config(None, tiny_overrides("block", 2, 3, **{"runtime.compile": "layer"}))
+    choice = select_runtime(cfg.runtime, cfg.model.attnres.impl)
+    assert choice.compiled
+    assert (choice.depth_attention.value, choice.norm.value) == ("twophase", "torch")
+    assert "compile=layer" in choice.describe()
+    auto = select_runtime(load_config(None, []).runtime)
+    assert not auto.compiled and "compile=off (auto: on CPU" in auto.describe()
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("model.attention_dropout=0.1", "runtime.compile"),
+        ("parallel.recompute=attnres", "runtime.compile"),
+        ("parallel.tp=2", "runtime.compile"),
+        ("model.attnres.impl=cpu_fused", "model.attnres.impl"),
+        ("runtime.fused_norm=on", "runtime.fused_norm"),
+    ],
+)
+def test_compile_refuses_what_it_does_not_trace(override, field):
+    """One-line ConfigErrors naming the field, before any process group would start."""
+    with pytest.raises(ConfigError, match=f"^{re.escape(field)}: [^\n]*$"):
+        cfg = load_config(None, ["runtime.compile=layer", override])
+        select_runtime(cfg.runtime, cfg.model.attnres.impl)
+
+
+@pytest.mark.parametrize(("mode", "block_size"), MODES)
+def test_every_layer_traces_as_one_graph(mode, block_size):
+    model = build(mode, block_size)
+    state = model.embedding(window()[:, :-1])
+    for layer in model.layers:
+        ref = state.partial if state.store is None else state.store[0]
+        ctx = sequence_context(layer.layer.config, ref, layer.rotary_base)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(layer.sublayers)(state, ctx)
+        reasons = [b.reason for b in explained.break_reasons]
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), reasons
+        state = layer(state)
+
+
+@pytest.mark.parametrize(("mode", "block_size"), MODES)
+def test_fullgraph_forward_and_backward(mode, block_size):
+    """``fullgraph=True`` raises at the first break: every layer compiles whole, and the
+    aot_eager graphs give the eager numbers."""
+    eager = build(mode, block_size)
+    compiled = build(mode, block_size)
+    torch._dynamo.reset()
+    for layer in compiled.layers:
+        layer.compile_region("aot_eager")
+    loss, grads = loss_and_grads(compiled)
+    ref_loss, ref_grads = loss_and_grads(eager)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-5)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-5, msg=name)
+    with torch.no_grad():  # evaluation: another graph per layer (no grad, no dropout)
+        evaluated = compiled.eval().loss(window(1))
+        torch.testing.assert_close(evaluated, eager.eval().loss(window(1)), rtol=0, atol=1e-5)
+
+
+def test_full_recompute_around_compiled_layers():
+    """``recompute: full`` checkpoints groups of compiled layers: the same numbers as eager
+    without recompute (dropout masks replayed)."""
+    extra = {"parallel.recompute": "full", "parallel.recompute_interval": 2}
+    compiled = build("block", 4, **extra)
+    eager = build("block", 4)
+    torch._dynamo.reset()
+    for layer in compiled.layers:
+        layer.compile_region("aot_eager")
+    loss, grads = loss_and_grads(compiled)
+    ref_loss, ref_grads = loss_and_grads(eager)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-5)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-5, msg=name)
+
+
+def test_recompiles_once_per_layer():
+    """The first step compiles one graph per layer; a second step and a second micro-batch
+    compile nothing more."""
+    model = build("block", 4)
+    torch._dynamo.reset()
+    for layer in model.layers:
+        layer.compile_region("aot_eager")
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    loss_and_grads(model, steps=2)
+    first = counters["stats"]["unique_graphs"]
+    assert first == len(model.layers)
+    loss_and_grads(model, steps=2)
+    assert counters["stats"]["unique_graphs"] == first
+
+
+@pytest.mark.parametrize(("mode", "block_size"), MODES)
+def test_inductor_matches_eager(mode, block_size):
+    """The compiled model of ``runtime.compile: layer`` (inductor, CPU) against the eager one."""
+    torch._dynamo.reset()
+    compiled = build(mode, block_size, compile="layer")
+    eager = build(mode, block_size)
+    loss, grads = loss_and_grads(compiled, steps=2)
+    ref_loss, ref_grads = loss_and_grads(eager, steps=2)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-5)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-5, msg=name)
+
+
+SCHEDULES = {
+    "1f1b": (),
+    "dualpipev": ("parallel.schedule=dualpipev",),
+    "interleaved": ("parallel.schedule=interleaved", "parallel.virtual_stages=2"),
+}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pipeline_compiled_matches_eager(schedule, small_dataset, tmp_path):
+    """pp = 2 (torchrun, DeepSpeed's engine on each schedule), every layer compiled by
+    inductor, against the eager single-process run of the same ops: 3 optimizer steps,
+    losses and every parameter within 1e-5 (the equivalence grids' tolerance), Block with an
+    uneven last block, dropout 0.1."""
+    ops = {
+        "model.attnres.impl": "twophase",
+        "runtime.fused_norm": "off",
+        "model.hidden_dropout": 0.1,
+    }
+    reference = single_process_reference(small_dataset, tmp_path, **ops)
+    args = overrides(small_dataset, "block", str(tmp_path / "pp2"), pp=2, **ops)
+    args = [*args, *SCHEDULES[schedule], "runtime.compile=layer"]
+    result = train_case(tmp_path, "pp2", args, nproc=2)
+    assert_matches(result, reference, f"compile pp2 {schedule} block")
