@@ -61,6 +61,15 @@ def build(mode: str, block_size: int, compile: str = "off", **extra) -> AttnResG
     return model.train()
 
 
+def assert_same_numbers(compiled: AttnResGPT, eager: AttnResGPT, steps: int = 1) -> None:
+    """Losses and every parameter's gradient of ``steps`` micro-batches within 1e-5."""
+    loss, grads = loss_and_grads(compiled, steps)
+    ref_loss, ref_grads = loss_and_grads(eager, steps)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-5)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-5, msg=name)
+
+
 def window(seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(seed))
 
@@ -132,11 +141,7 @@ def test_fullgraph_forward_and_backward(mode, block_size):
     torch._dynamo.reset()
     for layer in compiled.layers:
         layer.compile_region("aot_eager")
-    loss, grads = loss_and_grads(compiled)
-    ref_loss, ref_grads = loss_and_grads(eager)
-    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-5)
-    for name, grad in ref_grads.items():
-        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-5, msg=name)
+    assert_same_numbers(compiled, eager)
     with torch.no_grad():  # evaluation: another graph per layer (no grad, no dropout)
         evaluated = compiled.eval().loss(window(1))
         torch.testing.assert_close(evaluated, eager.eval().loss(window(1)), rtol=0, atol=1e-5)
@@ -151,11 +156,7 @@ def test_full_recompute_around_compiled_layers():
     torch._dynamo.reset()
     for layer in compiled.layers:
         layer.compile_region("aot_eager")
-    loss, grads = loss_and_grads(compiled)
-    ref_loss, ref_grads = loss_and_grads(eager)
-    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-5)
-    for name, grad in ref_grads.items():
-        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-5, msg=name)
+    assert_same_numbers(compiled, eager)
 
 
 def test_recompiles_once_per_layer():
@@ -180,11 +181,7 @@ def test_inductor_matches_eager(mode, block_size):
     torch._dynamo.reset()
     compiled = build(mode, block_size, compile="layer")
     eager = build(mode, block_size)
-    loss, grads = loss_and_grads(compiled, steps=2)
-    ref_loss, ref_grads = loss_and_grads(eager, steps=2)
-    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-5)
-    for name, grad in ref_grads.items():
-        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-5, msg=name)
+    assert_same_numbers(compiled, eager, steps=2)
 
 
 SCHEDULES = {
