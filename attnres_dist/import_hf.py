@@ -126,9 +126,7 @@ def _write_checkpoint(root: Path, cfg, state: dict, padded: int, source) -> None
 
     from attnres_dist.checkpoint import store
     from attnres_dist.checkpoint.state import model_signature
-    from attnres_dist.data.tokenizer import HFTokenizer
 
-    tokenizer = HFTokenizer(str(source.tokenizer))  # the file copied to the tokenizer path
     tmp = store.begin(root, 0)
     tensors = {f"model/{name}": value for name, value in state.items()}
     info = store.write_bytes(tmp / "stage-000.safetensors", safetensors.torch.save(tensors))
@@ -139,8 +137,8 @@ def _write_checkpoint(root: Path, cfg, state: dict, padded: int, source) -> None
         "tokenizer": {
             "kind": "hf",
             "path": str(Path(cfg.data.tokenizer_path).resolve()),
-            "vocab_size": tokenizer.vocab_size,
-            "eod": tokenizer.eod,
+            "vocab_size": source.tokenizer_vocab,
+            "eod": source.eod,
         },
         # no optimizer state, schedule or RNG states: training starts afresh at step 0
         "imported": {"from": str(source.directory.resolve()), "architecture": source.architecture},

@@ -44,6 +44,8 @@ class LlamaSource:
     model: dict  # the trainer's model.* fields (ModelConfig names), without attnres
     tokenizer: Path
     weight_files: list[Path]
+    tokenizer_vocab: int  # tokens of tokenizer.json, added ones included
+    eod: int  # its end-of-text id
 
     @property
     def architecture(self) -> str:
@@ -153,7 +155,8 @@ def _weight_files(directory: Path) -> list[Path]:
     )
 
 
-def _check_tokenizer(path: Path, vocab: int, eos_token_id) -> None:
+def _check_tokenizer(path: Path, vocab: int, eos_token_id):
+    """The tokenizer, once it is known to belong to these weights."""
     from attnres_dist.data.tokenizer import HFTokenizer
 
     if not path.is_file():
@@ -171,6 +174,7 @@ def _check_tokenizer(path: Path, vocab: int, eos_token_id) -> None:
             f"its end-of-text token is id {tokenizer.eod} but config.json's eos_token_id is "
             f"{eos_token_id}: the tokenizer does not belong to these weights",
         )
+    return tokenizer
 
 
 def read_source(directory: str | Path) -> LlamaSource:
@@ -186,8 +190,9 @@ def read_source(directory: str | Path) -> LlamaSource:
         model = derive_model(cfg)
     except KeyError as exc:
         raise UserError(f"config.json: {exc.args[0]}", "missing; the model needs it") from None
-    _check_tokenizer(directory / TOKENIZER, model["vocab_size"], cfg.get("eos_token_id"))
-    return LlamaSource(directory, cfg, model, directory / TOKENIZER, _weight_files(directory))
+    tok = _check_tokenizer(directory / TOKENIZER, model["vocab_size"], cfg.get("eos_token_id"))
+    files = _weight_files(directory)
+    return LlamaSource(directory, cfg, model, directory / TOKENIZER, files, tok.vocab_size, tok.eod)
 
 
 def read_weights(source: LlamaSource) -> dict:
