@@ -37,7 +37,7 @@ train-single: setup
 
 test: setup
 	$(VENV)/bin/ruff check attnres_dist tests
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --durations=30 $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check attnres_dist tests

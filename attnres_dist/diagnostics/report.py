@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 
-from attnres_dist.diagnostics import plots
 from attnres_dist.diagnostics import runs as R
 
 
@@ -187,6 +186,10 @@ def render(run_dirs: list[str | Path], out: str | Path) -> Path:
     """Write figures and ``report.md`` into ``out``; returns the markdown file's path."""
     out = Path(out)
     variants = R.group_runs([R.load_run(d) for d in run_dirs])
+    # matplotlib only when figures are drawn: every ``attnres-dist`` command builds this
+    # parser, and most never plot
+    from attnres_dist.diagnostics import plots
+
     figures = plots.render_all(variants, out)
     all_stats = [variant_stats(v) for v in variants]
     lines = ["# Diagnostics report", "", "## Variants", "", *variant_table(all_stats), ""]
