@@ -399,6 +399,8 @@ def test_cuda_graphs_on_a_gpu_asked_for_or_after_the_check(machine, monkeypatch)
     monkeypatch.setitem(gpu_checked.RUN_BY_GPU_CHECK, "cuda_graphs=on", (True, note))
     assert select_runtime(RuntimeConfig(compile="layer")).graphed
     assert not select_runtime(RuntimeConfig()).graphed  # compile auto is off on a GPU
+    with pytest.raises(ConfigError, match=r"^runtime\.cuda_graphs: 'on' replays compiled"):
+        select_runtime(RuntimeConfig(cuda_graphs="on"))  # built without the config's rules
     off = select_runtime(RuntimeConfig(compile="layer", cuda_graphs="off"))
     assert off.cuda_graphs == Choice("off", "set in config")
 

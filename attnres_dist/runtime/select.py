@@ -217,6 +217,8 @@ def select_cuda_graphs(requested: str, cuda: probes.Probe, compiled: bool) -> Ch
         if requested == "auto":
             return Choice("off", "no GPU")
         raise ConfigError(where, f"'on' needs a CUDA device ({cuda.detail}); use auto or off")
+    if requested == "on" and not compiled:  # the config rules say so too; a built config may not
+        raise ConfigError(where, "'on' replays compiled layers; set runtime.compile=layer or off")
     if requested == "on":
         return Choice("on", "set in config; CUDA graph trees over each compiled layer")
     if not gpu_checked.has_run("cuda_graphs=on"):
