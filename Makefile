@@ -7,7 +7,7 @@ CONFIG ?= configs/tiny.yaml
 NPROC  ?= 2
 
 .PHONY: setup train train-single test lint bench clean study gpu-wheels gpu-check gpu-check-dry \
-        gpu-study
+        gpu-study gpu-speed
 
 setup: $(STAMP)
 
@@ -96,6 +96,12 @@ gpu-check:
 # Full AttnRes sized to what is left of 530 s; study.tar.gz comes back beside gpu.md.
 gpu-study:
 	bash launch/gpu_check.sh --only study --budget-s 530 $(ARGS)
+
+# The speed measurement (docs/gpu.md, "Speed"): one step per device call of about 5 minutes,
+# SPEED=speed_125m (default), speed_1b or speed_125m_compiled.
+SPEED ?= speed_125m
+gpu-speed:
+	bash launch/gpu_check.sh --only $(SPEED) --budget-s 330 $(ARGS)
 
 gpu-check-dry: setup
 	GPU_CHECK_DRY_RUN=1 PYTHON=$(PY) OUT=$${OUT:-gpu_check_out} bash launch/gpu_check.sh $(ARGS)

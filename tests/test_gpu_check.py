@@ -27,7 +27,13 @@ def dry_run(tmp_path_factory):
     env.update(GPU_CHECK_DRY_RUN="1", PYTHON=str(VENV_BIN / "python"), OUT=str(out))
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(
-        ["bash", "launch/gpu_check.sh", "--only", *(s.name for s in STEPS)],  # every step
+        # every step but the speed steps, whose dry run has its own test
+        [
+            "bash",
+            "launch/gpu_check.sh",
+            "--only",
+            *(s.name for s in STEPS if "speed" not in s.name),
+        ],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -251,3 +257,84 @@ def test_sync_sites_name_the_lines_that_synchronise(monkeypatch):
     sync = _sync_sites(Engine(), 3)
     assert sync == {"syncs": 4, "sites": ["engine.py:76 x3", "a.py:9 x1"]}
     assert modes[-1] == 0
+
+
+@pytest.mark.slow
+def test_speed_step_dry_run_measures_each_path_and_cuts_at_its_limit(tmp_path):
+    """``speed_125m`` on the CPU at a tiny shape: ceilings, floors, the eager rows, the plain
+    GPT, decode; the rest until the step's limit (compiled with aot_eager), then cut; graphed
+    rows need CUDA. Its gpu.md section renders the table and the floors beside the values."""
+    from attnres_dist.gpu_check import report
+
+    result_file = tmp_path / "speed.json"
+    env = child_env()
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", GPU_CHECK_STEP_S="120")
+    cmd = [str(VENV_BIN / "python"), "-m", "attnres_dist.gpu_check.steps", "speed_125m"]
+    cmd += ["--work", str(tmp_path / "work"), "--result", str(result_file), "--dry-run"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(result_file.read_text())
+    rows = {(r["kind"], r["micro_batch"], r["mode"], r["path"]): r for r in result["rows"]}
+    for mb in (2, 1):
+        for mode in ("baseline", "block", "full"):
+            assert rows["model", mb, mode, "eager"]["step_s"] > 0
+            graphed = rows["model", mb, mode, "graphed"]["skipped"]
+            assert graphed in ("CUDA graphs need a CUDA device", "the step's time limit")
+        assert rows["plain", mb, "plain", ""]["step_s"] > 0
+    assert set(rows["decode", 0, "", ""]["decode"]) == {"baseline", "block"}
+    # the first compiled row comes right after decode: reached well inside the limit
+    assert rows["model", 2, "baseline", "compiled"]["step_s"] > 0
+    assert rows["model", 2, "baseline", "graphed"]["skipped"] == "CUDA graphs need a CUDA device"
+    assert result["ceilings"]["matmul_tflops"] > 0 and set(result["floors"]) == {"2", "1"}
+    floors = {c["floor"] for c in result["checks"]}
+    assert "decode Block / baseline time per token" in floors
+    assert all(c["measured"] is not None for c in result["checks"])
+    steps = [{"name": "speed_125m", "what": "", "status": "ok", "result": result}]
+    summary = {"dry_run": True, "started": "t", "wall_s": 1, "budget_s": 2}
+    md = report.markdown(summary | {"base_python": "3.12", "wheels": [], "steps": steps})
+    assert "## Speed: eager, compiled, graphed, against a plain GPT" in md
+    assert "| Block / baseline step time | 2 | <= 1.1 |" in md
+    assert "Floors, counted before timing" in md
+
+
+def test_speed_checks_hold_each_floor_to_the_fastest_path():
+    """``speed_report.derive`` on hand-made rows: ratios of the fastest path of each mode,
+    MFU from the floors, Block's extra time over its bytes floor, decode per token."""
+    from attnres_dist.gpu_check.speed_report import derive
+
+    def row(mb, mode, path, step_s):
+        kind = "plain" if mode == "plain" else "model"
+        return {"kind": kind, "micro_batch": mb, "mode": mode, "path": path, "step_s": step_s}
+
+    rows = [
+        row(32, "baseline", "eager", 0.100), row(32, "baseline", "compiled", 0.080),
+        row(32, "block", "eager", 0.120), row(32, "block", "compiled", 0.086),
+        row(32, "full", "eager", 0.130), row(32, "plain", "", 0.076),
+        row(8, "baseline", "eager", 0.030), row(8, "block", "eager", 0.036),
+        {"kind": "decode", "micro_batch": 0, "mode": "", "path": "", "decode": {
+            "baseline": {"tokens_per_s": 100.0}, "block": {"tokens_per_s": 80.0}}},
+    ]  # fmt: skip
+    floors = {
+        "32": {"flops": 40e12, "block_extra_floor_ms": 2.0},
+        "8": {"flops": 10e12, "block_extra_floor_ms": 0.5},
+    }
+    result = {"step": "speed_125m", "shape": {"seq": 1000, "micro_batches": [32, 8]}}
+    result |= {"ceilings": {"matmul_tflops": 800.0}, "floors": floors, "rows": rows}
+    out = derive(result)
+    checks = {(c["floor"], c["micro_batch"]): c for c in out["checks"]}
+    block32 = checks["Block / baseline step time", 32]
+    assert block32["measured"] == round(0.086 / 0.080, 3) and block32["holds"]  # 1.075 <= 1.10
+    assert checks["Block / baseline step time", 8]["measured"] == 1.2
+    assert checks["Block / baseline step time", 8]["holds"] is False  # 1.2 > 1.15
+    full = checks["Full / baseline step time", 32]
+    assert full["measured"] == round(0.130 / 0.080, 3) and full["holds"] is False
+    plain = checks["baseline / plain GPT tokens/s", 32]
+    assert plain["measured"] == 0.95 and plain["holds"]  # 0.076 / 0.080 >= 0.9
+    decode = checks["decode Block / baseline time per token", None]
+    assert decode["measured"] == 1.25 and decode["holds"] is False
+    table = {(t["micro_batch"], t["mode"], t["path"]): t for t in out["table"]}
+    compiled = table[32, "baseline", "compiled"]
+    assert compiled["tokens_per_s"] == 400000 and compiled["mfu"] == 0.625  # 40e12/0.08/800e12
+    assert table[32, "block", "compiled"]["vs_baseline"] == 1.075
+    assert table[32, "block", "compiled"]["block_extra_ms"] == 6.0
+    assert table[32, "block", "compiled"]["block_extra_vs_floor"] == 3.0

@@ -89,7 +89,34 @@ def test_cpu_machine_takes_the_local_spec_and_torch_ops_without_probing_gpu_libr
     assert "layer_spec=local (no GPU)" in line and "dtype=fp32 (no GPU)" in line
 
 
-def test_gpu_with_te_and_apex_takes_every_fast_path(machine):
+def test_gpu_auto_leaves_out_what_the_gpu_check_has_not_run(machine):
+    """TE's spec, apex's norm and Adam import here, yet ``auto`` takes none of them: no GPU
+    check has run them (runtime/gpu_checked.py). It does not even import them, and the line
+    says why and how to ask for each."""
+    called = machine(cuda=True, bf16=True, transformer_engine=True, apex_norm=True, apex_adam=True)
+    choice = select_runtime(RuntimeConfig())
+    assert values(choice) == ("cuda", "local", "torch", "torch", "bf16")
+    assert not {"transformer_engine", "apex_norm", "apex_adam"} & set(called)
+    line = choice.describe()
+    assert "layer_spec=local (auto: layer_spec=te not yet run by the GPU check (" in line
+    assert "runtime.layer_spec=te takes it" in line
+    assert "norm=torch (auto: fused_norm=apex not yet run by the GPU check (" in line
+    assert "optimizer=torch (auto: fused_optimizer=apex not yet run by the GPU check (" in line
+    assert "runtime.fused_optimizer=on takes it" in line
+    assert "cuda_graphs=off (auto: cuda_graphs=on not yet run by the GPU check (" in line
+    assert choice.core_attention.value == "sdpa"
+
+
+@pytest.fixture
+def gpu_checked(monkeypatch):
+    """The table as it reads once a GPU check has run every fast path (one flip each)."""
+    from attnres_dist.runtime import gpu_checked
+
+    for path, (_, note) in list(gpu_checked.RUN_BY_GPU_CHECK.items()):
+        monkeypatch.setitem(gpu_checked.RUN_BY_GPU_CHECK, path, (True, note))
+
+
+def test_gpu_with_te_and_apex_takes_every_fast_path_the_check_has_run(machine, gpu_checked):
     machine(cuda=True, bf16=True, transformer_engine=True, apex_norm=True, apex_adam=True)
     choice = select_runtime(RuntimeConfig())
     assert values(choice) == ("cuda", "te", "apex", "apex", "bf16")
@@ -100,9 +127,11 @@ def test_gpu_with_te_and_apex_takes_every_fast_path(machine):
     assert "dtype=bf16 (GPU compute capability 9.0; DeepSpeed bf16 engine, fp32 master " in line
     # under the TE spec the layers' norms are TE's; apex is left with the final norm
     assert "final norm only" in choice.norm.reason
+    # CUDA graphs replay compiled layers: with compile off (auto on a GPU), auto leaves them
+    assert "cuda_graphs=off (auto: CUDA graphs replay compiled layers" in line
 
 
-def test_gpu_without_te_or_apex_says_which_import_failed(machine):
+def test_gpu_without_te_or_apex_says_which_import_failed(machine, gpu_checked):
     machine(cuda=True, bf16=True)
     choice = select_runtime(RuntimeConfig())
     assert values(choice) == ("cuda", "local", "torch", "torch", "bf16")
@@ -111,14 +140,14 @@ def test_gpu_without_te_or_apex_says_which_import_failed(machine):
     assert "No module named 'apex'" in choice.optimizer.reason
 
 
-def test_gpu_without_bf16_support_stays_fp32(machine):
+def test_gpu_without_bf16_support_stays_fp32(machine, gpu_checked):
     machine(cuda=True, transformer_engine=True, apex_norm=True, apex_adam=True)
     choice = select_runtime(RuntimeConfig())
     assert values(choice) == ("cuda", "te", "apex", "apex", "fp32")
     assert "compute capability 7.0" in choice.dtype.reason
 
 
-def test_apex_norm_with_local_spec_applies_to_every_norm(machine):
+def test_apex_norm_with_local_spec_applies_to_every_norm(machine, gpu_checked):
     machine(cuda=True, bf16=True, apex_norm=True)
     choice = select_runtime(RuntimeConfig())
     assert choice.norm.value == "apex" and "final norm only" not in choice.norm.reason
@@ -201,7 +230,7 @@ def test_core_attention_is_sdpa_under_the_local_spec_and_tes_under_te(machine):
         "megatron", "set in config"
     )
     machine(cuda=True, transformer_engine=True)
-    assert select_runtime(RuntimeConfig()).core_attention.value == "te"
+    assert select_runtime(RuntimeConfig(layer_spec="te")).core_attention.value == "te"
     # a GPU without TE: the local spec, so SDPA again
     machine(cuda=True)
     assert select_runtime(RuntimeConfig(core_attention="sdpa")).core_attention.value == "sdpa"
@@ -211,7 +240,7 @@ def test_core_attention_is_sdpa_under_the_local_spec_and_tes_under_te(machine):
 def test_core_attention_asked_for_under_the_te_spec_is_refused(machine, value):
     machine(cuda=True, transformer_engine=True)
     with pytest.raises(ConfigError) as info:
-        select_runtime(RuntimeConfig(core_attention=value))
+        select_runtime(RuntimeConfig(layer_spec="te", core_attention=value))
     assert info.value.where == "runtime.core_attention"
     assert "layer_spec=te" in str(info.value) and "runtime.layer_spec=local" in str(info.value)
 
@@ -327,3 +356,75 @@ def test_explicit_bf16_is_taken_on_cpu_and_auto_stays_fp32(machine):
     auto = select_runtime(RuntimeConfig())
     assert auto.dtype.value == "fp32" and auto.activation_dtype == torch.float32
     assert "bf16" not in called  # no GPU: the bf16 capability probe is never asked
+
+
+# ------------------------------------------------------------------------------ CUDA graphs
+
+
+def test_cuda_graphs_on_a_cpu_is_a_one_line_config_error_naming_the_field(machine):
+    machine(cuda=False)
+    with pytest.raises(ConfigError) as info:
+        select_runtime(RuntimeConfig(compile="layer", cuda_graphs="on"))
+    message = str(info.value)
+    assert info.value.where == "runtime.cuda_graphs" and "\n" not in message
+    assert message == (
+        "runtime.cuda_graphs: 'on' needs a CUDA device (no CUDA device visible); use auto or off"
+    )
+    assert select_runtime(RuntimeConfig()).cuda_graphs == Choice("off", "no GPU")
+
+
+def test_cuda_graphs_need_compiled_layers_in_the_config():
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/tiny.yaml", ["runtime.cuda_graphs=on"])
+    assert info.value.where == "runtime.cuda_graphs"
+    assert "runtime.compile=layer" in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/tiny.yaml", ["runtime.cuda_graphs=maybe"])
+    assert info.value.where == "runtime.cuda_graphs"
+    # YAML's bare on reads as true; the section turns it back into the word
+    cfg = load_config("configs/tiny.yaml", ["runtime.compile=layer", "runtime.cuda_graphs=on"])
+    assert cfg.runtime.cuda_graphs == "on"
+
+
+def test_cuda_graphs_on_a_gpu_asked_for_or_after_the_check(machine, monkeypatch):
+    from attnres_dist.runtime import gpu_checked
+
+    machine(cuda=True, bf16=True)
+    asked = select_runtime(RuntimeConfig(compile="layer", cuda_graphs="on"))
+    assert asked.graphed and asked.compiled
+    assert "cuda_graphs=on (set in config; CUDA graph trees" in asked.describe()
+    auto = select_runtime(RuntimeConfig(compile="layer"))
+    assert not auto.graphed and "not yet run by the GPU check" in auto.cuda_graphs.reason
+    note = gpu_checked.RUN_BY_GPU_CHECK["cuda_graphs=on"][1]
+    monkeypatch.setitem(gpu_checked.RUN_BY_GPU_CHECK, "cuda_graphs=on", (True, note))
+    assert select_runtime(RuntimeConfig(compile="layer")).graphed
+    assert not select_runtime(RuntimeConfig()).graphed  # compile auto is off on a GPU
+    with pytest.raises(ConfigError, match=r"^runtime\.cuda_graphs: 'on' replays compiled"):
+        select_runtime(RuntimeConfig(cuda_graphs="on"))  # built without the config's rules
+    off = select_runtime(RuntimeConfig(compile="layer", cuda_graphs="off"))
+    assert off.cuda_graphs == Choice("off", "set in config")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs CUDA graphs")
+def test_trainer_asking_for_cuda_graphs_here_stops_before_any_process_group(
+    small_dataset, tmp_path
+):
+    import torch.distributed as dist
+
+    from attnres_dist.train.trainer import Trainer
+
+    cfg = load_config(
+        "configs/tiny.yaml",
+        [
+            f"data.path={small_dataset}",
+            "parallel.pp=1",
+            "runtime.compile=layer",
+            "runtime.cuda_graphs=on",
+            f"output.run_dir={tmp_path / 'run'}",
+        ],
+    )
+    was_initialized = dist.is_initialized()
+    with pytest.raises(ConfigError) as info:
+        Trainer(cfg)
+    assert info.value.where == "runtime.cuda_graphs"
+    assert dist.is_initialized() == was_initialized

@@ -199,6 +199,7 @@ def _validate_runtime(r: RuntimeConfig) -> None:
         ("cpu_allocator", ("auto", "retain", "system")),
         ("cpu_binding", ("none", "cores")),
         ("compile", ("auto", "off", "layer")),
+        ("cuda_graphs", ("auto", "off", "on")),
     ):
         value = getattr(r, name)
         _require(
@@ -210,6 +211,12 @@ def _validate_runtime(r: RuntimeConfig) -> None:
 
 def _validate_compile(cfg: Config) -> None:
     """What a compiled layer does not run yet: refused, never silently run eagerly."""
+    _require(
+        cfg.runtime.cuda_graphs != "on" or cfg.runtime.compile == "layer",
+        "runtime.cuda_graphs",
+        f"'on' replays the compiled layers (runtime.compile=layer), but runtime.compile="
+        f"{cfg.runtime.compile}; set runtime.compile=layer or runtime.cuda_graphs=off",
+    )
     if cfg.runtime.compile != "layer":
         return
     _require(

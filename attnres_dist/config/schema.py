@@ -136,9 +136,13 @@ class RuntimeConfig:
     # compile, runtime/select.py says when auto takes it); layer takes the torch depth-attention
     # ops and torch's RMSNorm, which the compiler sees, in place of the C kernels
     compile: str | bool = "auto"
+    # auto | off | on: replay each compiled layer as CUDA graphs (compile mode reduce-overhead,
+    # CUDA graph trees); on needs compile: layer and a GPU; auto takes it only once the GPU
+    # check has run it (runtime/gpu_checked.py)
+    cuda_graphs: str | bool = "auto"
 
     def __post_init__(self):
-        for name in ("fused_norm", "fused_optimizer", "compile"):
+        for name in ("fused_norm", "fused_optimizer", "compile", "cuda_graphs"):
             value = getattr(self, name)
             if isinstance(value, bool):
                 setattr(self, name, "on" if value else "off")

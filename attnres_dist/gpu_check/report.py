@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from attnres_dist.gpu_check import speed_report
+
 RUN = (
     "make gpu-wheels   # once, on a CPU machine with network: .whl/ (git-ignored, ~50 MB)\n"
     "# then, from the session that has a GPU, the device tool's run with\n"
@@ -217,6 +219,16 @@ def _study(steps: dict) -> list[str]:
     return lines
 
 
+def _speed(steps: dict) -> list[str]:
+    """The speed steps' tables (``speed_report``), those that ran."""
+    out = []
+    for name in ("speed_125m", "speed_125m_compiled", "speed_1b"):
+        r = _result(steps, name)
+        if r.get("ceilings"):
+            out += speed_report.markdown(r, _table)
+    return out
+
+
 def markdown(summary: dict) -> str:
     steps = _by_name(summary)
     title = "GPU check (dry run on a CPU)" if summary["dry_run"] else "GPU check"
@@ -253,6 +265,8 @@ def markdown(summary: dict) -> str:
     out += ["## Where the step's time goes", "", *_step_profile(steps)]
     out += ["## Depth attention", "", *_depth_attention(steps)]
     out += ["## Generate", "", *_generate(steps)]
+    if any(name.startswith("speed") for name in steps):
+        out += ["## Speed: eager, compiled, graphed, against a plain GPT", "", *_speed(steps)]
     if "study" in steps:
         out += ["## Study: baseline vs Block vs Full AttnRes", "", *_study(steps)]
     out += ["## Running it", "", "```", RUN, "```", ""]

@@ -67,6 +67,10 @@ STEPS = (
     Step("train_tiny", 150, "configs/tiny.yaml on one GPU, bf16, local spec (TE if present)", 2),
     Step("generate", 120, "export the tiny run, generate on the GPU", lane=2),
     Step("train_125m", 120, "configs/gpt-125m.yaml on one GPU, bf16, a few steps", lane=2),
+    # make gpu-speed: each alone, one device call of about five minutes each (docs/gpu.md)
+    Step("speed_125m", 270, "speed at 125M: eager, plain GPT, decode, compiled", 0, False),
+    Step("speed_125m_compiled", 270, "speed at 125M: compiled and graphed only", 0, False),
+    Step("speed_1b", 270, "speed at 1.3B (24 x 2048, seq 2048, mb 4)", 0, False),
     # make gpu-study: alone, after the install steps, with the rest of the budget
     Step("study", 540, "baseline vs Block vs Full AttnRes at ~21M (--only)", default=False),
 )

@@ -227,7 +227,7 @@ def depth_attention(work: Path, dry: bool) -> dict:
 
 
 def _steps():
-    from attnres_dist.gpu_check import step_profile, study_step, train_steps
+    from attnres_dist.gpu_check import speed_step, step_profile, study_step, train_steps
 
     return {
         "machine": machine,
@@ -239,6 +239,9 @@ def _steps():
         "step_profile": step_profile.step_profile,
         "generate": train_steps.generate,
         "study": study_step.study_runs,
+        "speed_125m": lambda work, dry: speed_step.speed("speed_125m", work, dry),
+        "speed_125m_compiled": lambda work, dry: speed_step.speed("speed_125m_compiled", work, dry),
+        "speed_1b": lambda work, dry: speed_step.speed("speed_1b", work, dry),
     }
 
 

@@ -106,7 +106,7 @@ class ModelBuilder:
         if self.model.attnres.source_scaled_eps and self.plan.mode != "baseline":
             scale_norm_eps(part.sublayer_norms(), self.plan, 2 * index + 1)
         if self.runtime.compiled:  # after the norms are final: a graph reads their epsilon
-            part.compile_region()
+            part.compile_region(cuda_graphs=self.runtime.graphed)
         return part
 
     def final(self) -> FinalAggregation:
@@ -158,6 +158,7 @@ class AttnResGPT(torch.nn.Module):
         configure_segments(list(self.layers), self.plan, final=self.final)
         # DeepSpeed moves the pipeline's parts to the GPU; the single-process model moves itself
         self.device = torch.device("cuda") if builder.runtime.on_gpu else torch.device("cpu")
+        self.graphed = builder.runtime.graphed  # its engine marks each step for the graph trees
         self.to(self.device)
 
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:

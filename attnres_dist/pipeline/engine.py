@@ -207,10 +207,14 @@ class PipelineEngine:
         return iter(batches)
 
     def train_step(self, micro_batches: list[torch.Tensor]) -> float:
+        if self.runtime.graphed:  # a new generation of the CUDA graph trees (compile_region)
+            torch.compiler.cudagraph_mark_step_begin()
         loss = self.engine.train_batch(data_iter=self._iterator(micro_batches))
         return float(loss)
 
     def eval_loss(self, batches: list[torch.Tensor]) -> float:
+        if self.runtime.graphed:
+            torch.compiler.cudagraph_mark_step_begin()
         loss = self.engine.eval_batch(
             data_iter=self._iterator(batches), num_micro_batches=len(batches)
         )

@@ -1,9 +1,11 @@
 """Choosing the fast paths at start-up, from the config's ``runtime`` section and the probes.
 
-``auto`` takes a fast path when this machine has it: Megatron-Core's Transformer Engine layer
-spec, apex's fused RMSNorm and FusedAdam, DeepSpeed's bf16 engine, all only with a CUDA device
-(their kernels are GPU-only); otherwise the local layer spec, torch AdamW and fp32, with the
-project's fused C RMSNorm where the C kernels build (``cpu``; else torch's). The
+``auto`` takes a fast path when this machine has it and, on a GPU, when the GPU check has run
+it (``gpu_checked.RUN_BY_GPU_CHECK``): DeepSpeed's bf16 engine on a GPU with bf16. Megatron-Core's
+Transformer Engine layer spec, apex's fused RMSNorm and FusedAdam and CUDA graphs are GPU-only
+and have not run in a GPU check, so ``auto`` leaves them out, saying so, and takes them only
+where they are asked for by name (``te``, ``on``). Otherwise: the local layer spec, torch AdamW
+and fp32, with the project's fused C RMSNorm where the C kernels build (``cpu``; else torch's). The
 local spec's core attention is torch's ``scaled_dot_product_attention`` on every device
 (``attnres_dist.model.sdpa_attention``; ``megatron`` keeps Megatron's unfused one); the TE
 spec brings Transformer Engine's attention, so there the choice is TE's. An
@@ -32,6 +34,11 @@ was measured to pay (``COMPILE_AUTO``): not on a CPU, where compiling the layers
 than a whole ``make train`` run gains (docs/compile.md), and not yet on a GPU, where it has
 not been measured.
 
+CUDA graphs (``runtime.cuda_graphs: on``) replay each compiled layer as CUDA graph trees
+(``torch.compile``'s reduce-overhead, ``AttnResLayer.compile_region``); ``on`` needs
+``runtime.compile: layer`` and a CUDA device, and ``auto`` leaves it out until the GPU check
+has run it.
+
 Every choice carries the reason it was made; ``RuntimeChoice.describe()`` is the one line the
 trainer prints at start-up.
 """
@@ -44,7 +51,7 @@ import torch
 
 from attnres_dist.errors import ConfigError
 from attnres_dist.ops import runnable_depth_attention_impls
-from attnres_dist.runtime import allocator, probes
+from attnres_dist.runtime import allocator, gpu_checked, probes
 
 IMPL_FIELD = "model.attnres.impl"
 
@@ -70,6 +77,8 @@ class RuntimeChoice:
     cpu_allocator: Choice | None = None
     # layer | off: each transformer layer one torch.compile graph, or eager
     compile: Choice | None = None
+    # on | off: the compiled layers replayed as CUDA graphs (compile mode reduce-overhead)
+    cuda_graphs: Choice | None = None
 
     @classmethod
     def reference(cls) -> RuntimeChoice:
@@ -109,6 +118,11 @@ class RuntimeChoice:
         return self.compile is not None and self.compile.value == "layer"
 
     @property
+    def graphed(self) -> bool:
+        """The compiled layers run as CUDA graph trees (``torch.compile``'s reduce-overhead)."""
+        return self.cuda_graphs is not None and self.cuda_graphs.value == "on"
+
+    @property
     def bf16(self) -> bool:
         """DeepSpeed's bf16 engine (bf16 parameters, fp32 master weights)."""
         return self.dtype.value == "bf16"
@@ -137,11 +151,19 @@ class _Probes:
 
 
 def _pick(
-    p: _Probes, field: str, requested: str, fast: str, plain: str, plain_word: str, probe_name: str
+    p: _Probes,
+    field: str,
+    requested: str,
+    fast: str,
+    plain: str,
+    plain_word: str,
+    probe_name: str,
+    fast_word: str = "on",
 ) -> Choice:
-    """One decision. ``auto``: the fast path when CUDA and the probe allow it, else the plain
-    one, with the reason. ``plain_word``: the plain path. Anything else: the fast path or a
-    ConfigError naming the field."""
+    """One decision. ``auto``: the fast path when CUDA and the probe allow it and the GPU check
+    has run it (``gpu_checked``), else the plain one, with the reason. ``plain_word``: the plain
+    path. ``fast_word`` (the config's word for the fast path): the fast path or a ConfigError
+    naming the field."""
     where = f"runtime.{field}"
     if requested == plain_word:
         return Choice(plain, "set in config")
@@ -152,6 +174,10 @@ def _pick(
         raise ConfigError(
             where, f"{requested!r} needs a CUDA device ({cuda.detail}); use auto or {plain_word}"
         )
+    path = f"{field}={fast}"
+    if requested == "auto" and path in gpu_checked.RUN_BY_GPU_CHECK:
+        if not gpu_checked.has_run(path):  # not even probed: an opt-in path stays out of auto
+            return Choice(plain, gpu_checked.not_run_reason(path, field, fast_word))
     probe = p.get(probe_name)
     if not probe.ok:
         if requested == "auto":
@@ -178,6 +204,28 @@ def select_compile(requested: str, device: str) -> Choice:
     if requested == "layer":
         return Choice("layer", "set in config; torch.compile per transformer layer, fullgraph")
     return Choice("off", "set in config")
+
+
+def select_cuda_graphs(requested: str, cuda: probes.Probe, compiled: bool) -> Choice:
+    """Resolve ``runtime.cuda_graphs`` (``auto``, ``off`` or ``on``). ``on`` needs a CUDA
+    device (the config rules already required ``runtime.compile: layer``); ``auto`` takes it
+    with compiled layers on a GPU once the GPU check has run it (``gpu_checked``)."""
+    where = "runtime.cuda_graphs"
+    if requested == "off":
+        return Choice("off", "set in config")
+    if not cuda.ok:
+        if requested == "auto":
+            return Choice("off", "no GPU")
+        raise ConfigError(where, f"'on' needs a CUDA device ({cuda.detail}); use auto or off")
+    if requested == "on" and not compiled:  # the config rules say so too; a built config may not
+        raise ConfigError(where, "'on' replays compiled layers; set runtime.compile=layer or off")
+    if requested == "on":
+        return Choice("on", "set in config; CUDA graph trees over each compiled layer")
+    if not gpu_checked.has_run("cuda_graphs=on"):
+        return Choice("off", gpu_checked.not_run_reason("cuda_graphs=on", "cuda_graphs", "on"))
+    if not compiled:
+        return Choice("off", "auto: CUDA graphs replay compiled layers; runtime.compile is off")
+    return Choice("on", "auto: run by the GPU check; CUDA graph trees over each compiled layer")
 
 
 def select_depth_attention(requested: str, device: str, compiled: bool = False) -> Choice:
@@ -228,8 +276,9 @@ def select_runtime(runtime, depth_attention: str = "auto") -> RuntimeChoice:
     device = Choice("cuda" if cuda.ok else "cpu", cuda.detail)
     compile_choice = select_compile(runtime.compile, device.value)
     compiled = compile_choice.value == "layer"
+    cuda_graphs = select_cuda_graphs(runtime.cuda_graphs, cuda, compiled)
     layer_spec = _pick(
-        p, "layer_spec", runtime.layer_spec, "te", "local", "local", "transformer_engine"
+        p, "layer_spec", runtime.layer_spec, "te", "local", "local", "transformer_engine", "te"
     )
     if compiled and layer_spec.value == "te":
         raise ConfigError(
@@ -272,6 +321,7 @@ def select_runtime(runtime, depth_attention: str = "auto") -> RuntimeChoice:
         impl,
         cpu_allocator,
         compile_choice,
+        cuda_graphs,
     )
 
 

@@ -22,6 +22,7 @@ class LocalEngine:
         self.last_grad_norm: float | None = None
 
     def train_step(self, micro_batches: list[torch.Tensor]) -> float:
+        self._mark_step()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
@@ -41,9 +42,15 @@ class LocalEngine:
 
     @torch.no_grad()
     def eval_loss(self, batches: list[torch.Tensor]) -> float:
+        self._mark_step()
         self.model.eval()
         losses = [self.model.loss(window).item() for window in batches]
         return sum(losses) / len(losses)
+
+    def _mark_step(self) -> None:
+        """A new generation of the CUDA graph trees, when the layers replay as graphs."""
+        if self.model.graphed:
+            torch.compiler.cudagraph_mark_step_begin()
 
     @property
     def device(self) -> torch.device:
