@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from attnres_dist.config import Config
+from attnres_dist.data.device_copy import to_device
 from attnres_dist.model.document_masks import loss_mask
 from attnres_dist.model.gpt import ModelBuilder
 from attnres_dist.optim import adam_class, build_optimizer
@@ -55,7 +56,7 @@ class GlobalNormClip:
         self.max_norm = max_norm
         self.norm_params = norm_params
         self.norm_group = group
-        self.last_grad_norm: float | None = None
+        self._grad_norm: torch.Tensor | None = None  # read as a number only when logged
         # set by attnres_dist.diagnostics on measured steps: sees the final, unclipped grads
         self.grad_probe = None
 
@@ -73,10 +74,15 @@ class GlobalNormClip:
                 sq = torch.zeros((), dtype=torch.float64, device=comm_device())
             dist.all_reduce(sq, group=self.norm_group)
             norm = sq.sqrt()
-            self.last_grad_norm = norm.item()
+            self._grad_norm = norm
             params = [p for group in self.param_groups for p in group["params"]]
             torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm, foreach=True)
         return super().step(closure)
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last step's global norm before clipping; reading it waits for the device."""
+        return None if self._grad_norm is None else self._grad_norm.item()
 
 
 class ClippedAdamW(GlobalNormClip, torch.optim.AdamW):
@@ -203,12 +209,16 @@ class PipelineEngine:
         for w in micro_batches:
             tokens, labels = w[:, :-1].contiguous(), w[:, 1:].contiguous()
             mask = loss_mask(tokens, documents)
+            # on a GPU: queued copies from pinned memory, all before the step's first forward
+            tokens, labels = to_device(tokens, self.device), to_device(labels, self.device)
+            mask = None if mask is None else to_device(mask, self.device)
             batches.append((tokens, labels if mask is None else (labels, mask)))
         return iter(batches)
 
-    def train_step(self, micro_batches: list[torch.Tensor]) -> float:
-        loss = self.engine.train_batch(data_iter=self._iterator(micro_batches))
-        return float(loss)
+    def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        """One optimizer step; the mean loss as a 0-d tensor, not read here (reading it waits
+        for the device: the trainer reads it on the steps it logs or saves)."""
+        return self.engine.train_batch(data_iter=self._iterator(micro_batches))
 
     def eval_loss(self, batches: list[torch.Tensor]) -> float:
         loss = self.engine.eval_batch(
