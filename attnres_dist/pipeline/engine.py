@@ -35,6 +35,7 @@ from attnres_dist.pipeline import precision, virtual_engine, virtual_setup, watc
 from attnres_dist.pipeline.module import AttnResPipelineModule
 from attnres_dist.pipeline.naming import canonical_name
 from attnres_dist.pipeline.partition import compute_parts
+from attnres_dist.pipeline.single_replica import skip_single_replica_reduction
 
 
 def _model_parallel_group(dims: ParallelDims, rank: int):
@@ -175,6 +176,9 @@ class PipelineEngine:
             watchdog.install_virtual(self.engine, cfg.parallel.timeout_s)
         else:
             watchdog.install(self.engine, self.parts, cfg.model.num_layers, cfg.parallel.timeout_s)
+        # dp = 1: DeepSpeed's gradient all-reduce over one rank is a no-op (single_replica.py)
+        zero1_fp32 = cfg.parallel.zero_stage == 1 and not self.runtime.bf16
+        skip_single_replica_reduction(self.engine, dims.dp, zero1_fp32)
 
     def _owned(self, p: torch.nn.Parameter) -> bool:
         """False for the last stage's copy of the tied embedding (the first stage's counts; with
