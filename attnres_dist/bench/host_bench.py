@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch._dynamo
 
 from attnres_dist.bench.compile_bench import top_level_aten_calls
 from attnres_dist.bench.launch_job import REPO
@@ -154,6 +155,12 @@ def run(
     from attnres_dist.parallel.process_groups import init_distributed
 
     launch = init_distributed(ParallelDims(), seed=0, device="cpu")
+    # every compiled model's layers share one region code object: a cache entry per layer and
+    # mode of all three models (compile_region allows for one model's)
+    layers = int(_config("baseline", False, shape).model.num_layers)
+    torch._dynamo.reset()  # no cache entries of models compiled before (make bench's others)
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 2 * len(MODES) * layers + 8)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     threads = torch.get_num_threads()
