@@ -3,9 +3,9 @@
 DeepSpeed's pipeline schedule ends every step with ``ReduceGrads``: at dp = 1 it still gathers
 every gradient (the bf16 optimizer's fp32 ones, or each parameter's), flattens them into one
 bucket, scales it by 1 / 1, all-reduces it over a group of one rank and copies it back: two
-copies of every gradient and a collective per step, which in fp32 change nothing. Here that instruction's
-handler is replaced, on this engine instance only (the way ``watchdog.py`` wraps handlers), by
-one that does nothing; DeepSpeed itself is not patched.
+copies of every gradient and a collective per step, which in fp32 change nothing. Here that
+instruction's handler is replaced, on this engine instance only (the way ``watchdog.py`` wraps
+handlers), by one that does nothing; DeepSpeed itself is not patched.
 
 Kept as DeepSpeed does it:
 
