@@ -254,3 +254,29 @@ def test_compile_bench_smoke(tmp_path):
         assert m["aten_ops"]["eager"] > 0 and m["aten_ops"]["compiled"] > 0
     rows = compile_bench.markdown_rows(result)
     assert len(rows) == 3 and rows[1].startswith("| compiled step time / eager, block |")
+
+
+def test_host_bench_smoke(tmp_path):
+    """Every variant (ours on DeepSpeed's bf16 engine and the plain GPT, eager and compiled)
+    steps, its aten ops are counted, and the ratios and the summary's floors are there
+    (aot_eager: no code generation; 2 layers)."""
+    from attnres_dist.bench import host_bench
+
+    shape = (
+        "model.num_layers=2",
+        "model.hidden_size=32",
+        "model.num_attention_heads=4",
+        "model.seq_length=8",
+        "model.attnres.block_size=1",
+    )
+    result = host_bench.run(tmp_path, backend="aot_eager", reps=2, steps=1, warmup=1, shape=shape)
+    assert (tmp_path / "host.json").exists()
+    modes = ("baseline", "block", "full", "plain")
+    names = {f"{m}_{t}" for m in modes for t in ("eager", "compiled")}
+    assert set(result["variants"]) == names
+    for v in result["variants"].values():
+        assert v["host_ms"] > 0 and v["wall_ms"] > 0 and v["aten_ops"] > 0
+    assert len(result["ratios"]) == 6
+    assert all(r["host"]["ratio"] > 0 and r["ops"] > 0 for r in result["ratios"].values())
+    text = "\n".join(host_bench.markdown(result))
+    assert "| Block / baseline, host time |" in text and "<= 1.1 |" in text

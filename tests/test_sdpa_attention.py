@@ -270,3 +270,27 @@ def test_sdpa_dropout_draws_from_the_model_parallel_tracker_and_eval_equals_mega
         ref = megatron(*tensors, mask)
         out = sdpa(*tensors, mask)
     assert (out - ref).abs().max().item() <= TOL
+
+
+def test_rotary_tables_cached_per_angles_and_dtype():
+    """Eagerly the tables are computed once per (angles, dtype) and reused: the same tensors
+    on the next call, another entry for another dtype, each equal to the naive cos and signed
+    sin of the angles rounded to that dtype."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from attnres_dist.model import layer_specs
+
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=12)
+    config = transformer_config(cfg)
+    spec = layer_specs.layer_spec(_choice("sdpa")).submodules.self_attention
+    block = build_module(spec, config=config, layer_number=1)
+    freqs = sequence_context(config, torch.zeros(12, 1, 32), 10000).rotary_pos_emb
+    half = freqs.shape[-1] // 2
+    for dtype in (torch.float32, torch.bfloat16):
+        cos, sin = block._tables(freqs, dtype)
+        assert block._tables(freqs, dtype)[0] is cos and block._tables(freqs, dtype)[1] is sin
+        assert cos.dtype == sin.dtype == dtype
+        assert torch.equal(cos, freqs.cos().to(dtype))
+        signed = torch.cat([-freqs[..., :half].sin(), freqs[..., half:].sin()], dim=-1)
+        assert torch.equal(sin, signed.to(dtype))
+    assert block._tables(freqs, torch.float32)[0] is not block._tables(freqs, torch.bfloat16)[0]

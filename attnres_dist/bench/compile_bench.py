@@ -62,10 +62,16 @@ def _step(model, window) -> float:
 
 def aten_ops(model, window) -> int:
     """Top-level aten calls of one training step (forward and backward)."""
+    return top_level_aten_calls(lambda: _step(model, window))
+
+
+def top_level_aten_calls(fn) -> int:
+    """Aten calls of ``fn()`` that the profiler sees at the top (from Python or compiled
+    code), not those an aten op makes inside itself."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        _step(model, window)
+        fn()
     count = 0
     for event in prof.events():
         parent = event.cpu_parent

@@ -12,7 +12,9 @@ fused merge + norm against the two kernels composed) and the core binding benchm
 (``binding_bench``: a pp = 2 step with each rank on its own cores vs on the scheduler's,
 alternating 2-rank jobs) and the compile benchmark (``compile_bench``, in this process:
 graphs, graph breaks, recompiles and compile time of ``runtime.compile: layer`` per residual
-mode, its step time and aten ops per step against eager);
+mode, its step time and aten ops per step against eager) and the host benchmark
+(``host_bench``, in this process: host time and aten ops per training step at almost no
+arithmetic, ours on DeepSpeed's bf16 engine against a plain-PyTorch GPT, eager and compiled);
 the model and generation benchmarks open a one-process group. Each writes its own JSON into
 ``DIR``. The summary lists each ratio with what it compares, and the
 per-boundary bytes predicted by the activation contract next to the bytes measured on the wire.
@@ -30,6 +32,7 @@ from attnres_dist.bench import (
     compile_bench,
     depth_attention_bench,
     generation_bench,
+    host_bench,
     model_bench,
     norm_bench,
     pipeline_bench,
@@ -362,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
         norm = norm_bench.run(out, tokens=256, reps=3, warmup=1)
         binding = binding_bench.run(out, reps=2, warmup=1, rounds=1)
         compiled = compile_bench.run(out, backend="aot_eager", batch=2, seq=32, steps=3)
+        host = host_bench.run(out, backend="aot_eager", reps=2, steps=2, warmup=1)
     else:
         depth = depth_attention_bench.run(out)
         pipe = pipeline_bench.run(out)
@@ -371,7 +375,9 @@ def main(argv: list[str] | None = None) -> None:
         norm = norm_bench.run(out)
         binding = binding_bench.run(out)
         compiled = compile_bench.run(out)
+        host = host_bench.run(out)
     text = summary_markdown(depth, pipe, gen, model, prec, norm, binding, compiled)
+    text += "\n".join(["", *host_bench.markdown(host)])
     (out / "summary.md").write_text(text)
     print(text)
 

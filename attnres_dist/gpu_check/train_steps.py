@@ -143,7 +143,7 @@ def _step_seconds(trainer, warmup: int, reps: int) -> list[float]:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
-        trainer.engine.train_step(batch)  # returns the loss as a float: synchronised
+        float(trainer.engine.train_step(batch))  # reading the loss waits for the GPU
         if step >= warmup:
             times.append(time.perf_counter() - start)
     return times

@@ -5,9 +5,11 @@ both when ``runtime.core_attention`` resolves to ``sdpa``):
 
 * ``SdpaAttention`` for ``core_attention``: one ``scaled_dot_product_attention`` call;
 * ``SdpaSelfAttention`` for ``self_attention``: Megatron's ``SelfAttention`` with rotary
-  embeddings applied from cos/sin tables built once per call (Megatron's unfused CPU path
-  recomputes the trigonometry for q and for k, slices the rotary part off and concatenates it
-  back: two full copies per tensor that do nothing when the whole head is rotated).
+  embeddings applied from cos/sin tables built once per angles tensor and dtype and then
+  reused by every layer and step (a compiled layer builds them in its graph; Megatron's
+  unfused path recomputes the trigonometry for q and for k in every layer, slices the rotary
+  part off and concatenates it back: two full copies per tensor that do nothing when the
+  whole head is rotated).
 
 Core attention
 --------------
@@ -48,6 +50,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from attnres_dist.model.sequence_context import is_plain_causal_mask
 
@@ -139,30 +142,52 @@ class SdpaSelfAttention(SelfAttention):
             return super().forward(
                 hidden_states, attention_mask, *args, rotary_pos_emb=rotary_pos_emb, **kwargs
             )
-        q_tables = self._tables(q_freqs)
-        self._rope = (q_tables, q_tables if k_freqs is q_freqs else self._tables(k_freqs))
+        self._rope = (q_freqs, k_freqs)
         try:
             return super().forward(hidden_states, attention_mask, rotary_pos_emb=None, **kwargs)
         finally:
             self._rope = None
 
-    def _tables(self, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin ``[s, 1, 1, d]`` of Megatron's ``freqs`` (rotate-half layout)."""
+    def _tables(self, freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos and signed sin ``[s, 1, 1, d]`` of Megatron's ``freqs`` (rotate-half layout) in
+        ``dtype``. Eagerly, kept per (angles tensor, dtype, scale) while the angles live: the
+        sequence context's angles are one cached tensor per length, so every layer and step
+        reads the same tables instead of redoing the trigonometry and the casts. A compiled
+        layer computes them in its graph (the compiler fuses them; a lookup would be a guard)."""
+        if torch.compiler.is_compiling():
+            return self._compute_tables(freqs, dtype)
+        key = (dtype, self._mscale)
+        cached = _TABLES.get(freqs, {}).get(key)
+        if cached is None:
+            with torch.no_grad():
+                cached = self._compute_tables(freqs, dtype)
+            if not freqs.requires_grad:
+                _TABLES.setdefault(freqs, {})[key] = cached
+        return cached
+
+    def _compute_tables(self, freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         cos = torch.cos(freqs) * self._mscale
         sin = torch.sin(freqs) * self._mscale
         half = freqs.shape[-1] // 2
-        return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        return cos.to(dtype), sin.to(dtype)
 
     def get_query_key_value_tensors(self, *args, **kwargs):
         out = super().get_query_key_value_tensors(*args, **kwargs)
         if self._rope is None:
             return out
         query, key, *rest = out
-        (q_cos, q_sin), (k_cos, k_sin) = self._rope
+        q_freqs, k_freqs = self._rope
+        q_cos, q_sin = self._tables(q_freqs, query.dtype)
+        k_cos, k_sin = self._tables(k_freqs, key.dtype)
         return (_rotate(query, q_cos, q_sin), _rotate(key, k_cos, k_sin), *rest)
 
 
+# rotary tables per angles tensor (weakly held: dropped with the sequence context's angles)
+_TABLES = WeakTensorKeyDictionary()
+
+
 def _rotate(t: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``t`` ``[s, b, heads, d]`` over its whole head dimension."""
-    cos, sin_signed = cos.to(t.dtype), sin_signed.to(t.dtype)
+    """Rotary embedding of ``t`` ``[s, b, heads, d]`` over its whole head dimension (tables
+    already in ``t``'s dtype)."""
     return t * cos + t.roll(t.shape[-1] // 2, dims=-1) * sin_signed

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from attnres_dist.config import Config
+from attnres_dist.data.device_copy import to_device
 from attnres_dist.model.document_masks import loss_mask
 from attnres_dist.model.gpt import ModelBuilder
 from attnres_dist.optim import adam_class, build_optimizer
@@ -34,6 +35,7 @@ from attnres_dist.pipeline import precision, virtual_engine, virtual_setup, watc
 from attnres_dist.pipeline.module import AttnResPipelineModule
 from attnres_dist.pipeline.naming import canonical_name
 from attnres_dist.pipeline.partition import compute_parts
+from attnres_dist.pipeline.single_replica import skip_single_replica_reduction
 
 
 def _model_parallel_group(dims: ParallelDims, rank: int):
@@ -55,7 +57,7 @@ class GlobalNormClip:
         self.max_norm = max_norm
         self.norm_params = norm_params
         self.norm_group = group
-        self.last_grad_norm: float | None = None
+        self._grad_norm: torch.Tensor | None = None  # read as a number only when logged
         # set by attnres_dist.diagnostics on measured steps: sees the final, unclipped grads
         self.grad_probe = None
 
@@ -73,10 +75,15 @@ class GlobalNormClip:
                 sq = torch.zeros((), dtype=torch.float64, device=comm_device())
             dist.all_reduce(sq, group=self.norm_group)
             norm = sq.sqrt()
-            self.last_grad_norm = norm.item()
+            self._grad_norm = norm
             params = [p for group in self.param_groups for p in group["params"]]
             torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm, foreach=True)
         return super().step(closure)
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last step's global norm before clipping; reading it waits for the device."""
+        return None if self._grad_norm is None else self._grad_norm.item()
 
 
 class ClippedAdamW(GlobalNormClip, torch.optim.AdamW):
@@ -169,6 +176,9 @@ class PipelineEngine:
             watchdog.install_virtual(self.engine, cfg.parallel.timeout_s)
         else:
             watchdog.install(self.engine, self.parts, cfg.model.num_layers, cfg.parallel.timeout_s)
+        # dp = 1: DeepSpeed's gradient all-reduce over one rank is a no-op (single_replica.py)
+        zero1_fp32 = cfg.parallel.zero_stage == 1 and not self.runtime.bf16
+        skip_single_replica_reduction(self.engine, dims.dp, zero1_fp32)
 
     def _owned(self, p: torch.nn.Parameter) -> bool:
         """False for the last stage's copy of the tied embedding (the first stage's counts; with
@@ -203,14 +213,18 @@ class PipelineEngine:
         for w in micro_batches:
             tokens, labels = w[:, :-1].contiguous(), w[:, 1:].contiguous()
             mask = loss_mask(tokens, documents)
+            # on a GPU: queued copies from pinned memory, all before the step's first forward
+            tokens, labels = to_device(tokens, self.device), to_device(labels, self.device)
+            mask = None if mask is None else to_device(mask, self.device)
             batches.append((tokens, labels if mask is None else (labels, mask)))
         return iter(batches)
 
-    def train_step(self, micro_batches: list[torch.Tensor]) -> float:
+    def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        """One optimizer step; the mean loss as a 0-d tensor, not read here (reading it waits
+        for the device: the trainer reads it on the steps it logs or saves)."""
         if self.runtime.graphed:  # a new generation of the CUDA graph trees (compile_region)
             torch.compiler.cudagraph_mark_step_begin()
-        loss = self.engine.train_batch(data_iter=self._iterator(micro_batches))
-        return float(loss)
+        return self.engine.train_batch(data_iter=self._iterator(micro_batches))
 
     def eval_loss(self, batches: list[torch.Tensor]) -> float:
         if self.runtime.graphed:

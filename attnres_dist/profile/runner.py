@@ -203,7 +203,7 @@ def _profile(trainer, opts: ProfileOptions) -> dict | None:
         for _ in range(opts.steps):
             tap.begin_step(step)
             micro = trainer.micro_batches(step)
-            timer.run_step(step, lambda m=micro: engine.train_step(m))
+            timer.run_step(step, lambda m=micro: float(engine.train_step(m)))  # waits for it
             step += 1
         tap.enabled = timer.enabled = False
         trace = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from attnres_dist.config import OptimConfig
+from attnres_dist.data.device_copy import to_device
 from attnres_dist.model.gpt import AttnResGPT
 from attnres_dist.optim import build_optimizer
 
@@ -19,26 +20,35 @@ class LocalEngine:
         self.model = model
         self.grad_clip = optim.grad_clip
         self.optimizer, self.scheduler = build_optimizer(model, optim, total_steps)
-        self.last_grad_norm: float | None = None
+        self._grad_norm: torch.Tensor | None = None  # read as a number only when logged
 
-    def train_step(self, micro_batches: list[torch.Tensor]) -> float:
+    def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        """One optimizer step; the mean loss as a 0-d tensor, not read here (reading it waits
+        for the device: the trainer reads it on the steps it logs or saves)."""
         self._mark_step()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=self.device)  # as Python floats sum
+        # on a GPU: queued copies from pinned memory, all before the first forward
+        micro_batches = [to_device(window, self.device) for window in micro_batches]
         for window in micro_batches:
             loss = self.model.loss(window)
             (loss / len(micro_batches)).backward()
-            total += loss.item()
+            total += loss.detach()
         if self.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         else:  # not clipped, but still logged
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads)
-        self.last_grad_norm = float(norm)
+        self._grad_norm = norm
         self.optimizer.step()
         self.scheduler.step()
         return total / len(micro_batches)
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last step's global norm before clipping; reading it waits for the device."""
+        return None if self._grad_norm is None else self._grad_norm.item()
 
     @torch.no_grad()
     def eval_loss(self, batches: list[torch.Tensor]) -> float:

@@ -220,6 +220,10 @@ class Trainer:
             )
         rank = self.launch.rank
         losses = []
+        # (step, loss tensor) not read yet: reading a loss waits for the device, so the losses
+        # are read together on the steps that log or save (finiteness is checked there, before
+        # anything is saved)
+        unread: list[tuple[int, torch.Tensor]] = []
         valid_loss = None
         for step in range(self.start_step, t.steps):
             faults.maybe_fail("before-step", rank, step + 1)
@@ -227,11 +231,13 @@ class Trainer:
             dp_rank = self.dims.coords(rank)[1]
             dropout_streams.begin_step(t.seed, step, dp_rank * cfg.grad_accum_steps)
             with self.diagnostics.step(step + 1):  # measures one micro-batch every k steps
-                loss = self.engine.train_step(self.micro_batches(step))
-            check_finite_loss(loss, step + 1, self.checkpoints.last_good)  # before any save
-            losses.append(loss)
+                unread.append((step + 1, self.engine.train_step(self.micro_batches(step))))
             window_tokens += tokens_per_step
-            if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
+            logged = (step + 1) % t.log_every == 0 or step + 1 == t.steps
+            if logged or self.checkpoints.due(step + 1, t.steps):
+                losses += self._read_losses(unread)
+                loss = losses[-1]
+            if logged:
                 now = time.perf_counter()
                 signals = self.signals.record(window_tokens, now - window_start)  # collective
                 window_start, window_tokens = now, 0
@@ -267,6 +273,15 @@ class Trainer:
         self.diagnostics.close()
         self.metrics.close()
         return summary
+
+    def _read_losses(self, unread: list[tuple[int, torch.Tensor]]) -> list[float]:
+        """The unread steps' losses as numbers (one wait for the device), each checked to be
+        finite; ``unread`` is emptied."""
+        values = torch.stack([loss.reshape(()).double() for _, loss in unread]).tolist()
+        for (step, _), value in zip(unread, values, strict=True):
+            check_finite_loss(value, step, self.checkpoints.last_good)
+        unread.clear()
+        return values
 
     def num_parameters(self) -> int:
         total = sum(p.numel() for _, p in self.engine.named_parameters())

@@ -1,0 +1,291 @@
+"""Host work per training step, at almost no arithmetic: the CPU proxy of a host-bound GPU step.
+
+At the 125M shape on a GPU the step is bound by the host (Python, autograd, one dispatch per
+op), not by the GPU. Shrinking the arithmetic to almost nothing (12 layers x 64, one sequence
+of 8 tokens, one thread) leaves, on a CPU, what the host does per step: that is measured
+here, side by side in one process, for baseline, Block and Full AttnRes and a plain-PyTorch GPT
+of the same shape (``plain_gpt.PlainGPT``), each eager and compiled.
+
+What one step is:
+
+* ours: ``PipelineEngine.train_step`` at pp = dp = tp = 1 with ``runtime.dtype: bf16``, i.e.
+  DeepSpeed's ``PipelineEngine.train_batch`` with its bf16 engine, what the trainer runs on one
+  GPU (forward, backward, DeepSpeed's gradient bookkeeping, the bf16 optimizer's clip and
+  AdamW step, the LR schedule, the loss returned as a float). The engine's bookkeeping is part
+  of what is measured, since removing it where it does nothing is part of the point. The ops
+  are those a compiled layer traces (``twophase`` depth attention, torch's RMSNorm, SDPA) in
+  both eager and compiled (``runtime.compile: layer``) runs: what ``auto`` runs on a GPU,
+  less the GPU-only kernels;
+* the plain GPT: an ordinary torch loop (fp32; ``zero_grad``, loss, ``backward``,
+  ``clip_grad_norm_``, fused ``torch.optim.AdamW``); compiled: ``torch.compile`` of each
+  block, as torchtitan's ``apply_compile``.
+
+Measured per variant: ``host_ms``, the process's CPU time per step (one thread: the host's
+work, less sensitive than wall time to waiting for a core on a shared machine) and
+``wall_ms``, medians; and ``aten_ops``, aten calls per step that the profiler sees at the top
+(``compile_bench.top_level_aten_calls``: from Python or from compiled code, not inside an op).
+The variants run interleaved, the order rotating each repetition, and the ratios are paired
+(``bench/paired.py``) with their 95% intervals. The floors (issue 36) are checked on the
+compiled path: Block / baseline <= 1.10 in host time and <= 1.2 in aten ops, and the compiled
+baseline within 1.2x of the compiled plain GPT's host time.
+
+``run(out_dir)`` writes ``out_dir/host.json`` and returns it.
+Usage: ``python -m attnres_dist.bench.host_bench --out DIR [--backend inductor] [--reps N]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch._dynamo
+
+from attnres_dist.bench.compile_bench import top_level_aten_calls
+from attnres_dist.bench.launch_job import REPO
+from attnres_dist.bench.paired import paired_interval, paired_ratio
+
+CONFIG = REPO / "configs" / "tiny.yaml"
+VOCAB = 257
+# 12 x 64 (the 125M model's depth and block size), one sequence of 8 tokens
+SHAPE = (
+    "model.num_layers=12",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.seq_length=8",
+    "model.attnres.block_size=3",
+)
+STEP = (
+    "train.micro_batch_size=1",
+    "train.global_batch_size=1",
+    "train.steps=100000",
+    "parallel.pp=1",
+    "runtime.dtype=bf16",
+    "model.attnres.impl=twophase",
+    "runtime.fused_norm=off",
+)
+MODES = {"baseline": "baseline", "block": "block", "full": "full"}
+FLOORS = {"block_over_baseline_host": 1.10, "block_over_baseline_ops": 1.2}
+FLOOR_BASELINE_OVER_PLAIN = 1.2
+
+
+def _config(mode: str, compiled: bool, shape: tuple[str, ...]):
+    from attnres_dist.config import load_config
+
+    words = [*shape, *STEP, f"model.attnres.mode={mode}"]
+    words.append(f"runtime.compile={'layer' if compiled else 'off'}")
+    return load_config(CONFIG, words)
+
+
+def engine_step(mode: str, compiled: bool, backend: str, shape: tuple[str, ...], launch):
+    """(step function, window) of our bf16 engine at pp = 1 for ``mode``."""
+    from attnres_dist.model.attnres_layer import AttnResLayer
+    from attnres_dist.model.gpt import ModelBuilder
+    from attnres_dist.parallel.dims import ParallelDims
+    from attnres_dist.pipeline.engine import PipelineEngine
+    from attnres_dist.runtime import select_runtime
+
+    cfg = _config(mode, compiled, shape)
+    runtime = select_runtime(cfg.runtime, cfg.model.attnres.impl)
+    builder = ModelBuilder(cfg.model, VOCAB, seed=0, runtime=runtime)
+    engine = PipelineEngine(cfg, builder, ParallelDims(), launch)
+    if compiled and backend != "inductor":  # before the first step: nothing compiled yet
+        for layer in engine.module.modules():
+            if isinstance(layer, AttnResLayer):
+                layer.compile_region(backend)
+    return lambda window: engine.train_step([window])
+
+
+def plain_step(compiled: bool, backend: str, shape: tuple[str, ...]):
+    """The plain GPT's ordinary torch training step (module docstring)."""
+    from attnres_dist.bench.plain_gpt import PlainGPT
+    from attnres_dist.optim import param_groups
+
+    cfg = _config("baseline", False, shape)
+    torch.manual_seed(0)
+    model = PlainGPT(cfg.model, VOCAB).train()
+    if compiled:  # torchtitan's apply_compile: each block one graph
+        for block in model.blocks:
+            block.compile(backend=backend, fullgraph=True)
+    o = cfg.optim
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), fused=True
+    )
+
+    def step(window):
+        optimizer.zero_grad(set_to_none=True)
+        loss = model.loss(window)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, o.grad_clip, foreach=True)
+        optimizer.step()
+        return loss
+
+    return step
+
+
+def _timed(step, window, steps: int) -> tuple[float, float]:
+    """Median (CPU time, wall time) in ms over ``steps`` steps."""
+    cpu, wall = [], []
+    for _ in range(steps):
+        c, w = time.process_time(), time.perf_counter()
+        step(window)
+        cpu.append(time.process_time() - c)
+        wall.append(time.perf_counter() - w)
+    return statistics.median(cpu) * 1e3, statistics.median(wall) * 1e3
+
+
+def _ratio(samples: dict, num: str, den: str, key: str) -> dict:
+    a, b = samples[num][key], samples[den][key]
+    return {"ratio": paired_ratio(a, b), "interval": paired_interval(a, b)}
+
+
+def run(
+    out_dir: str | Path,
+    backend: str = "inductor",
+    reps: int = 12,
+    steps: int = 5,
+    warmup: int = 3,
+    shape: tuple[str, ...] = SHAPE,
+) -> dict:
+    from attnres_dist.parallel.dims import ParallelDims
+    from attnres_dist.parallel.process_groups import init_distributed
+
+    launch = init_distributed(ParallelDims(), seed=0, device="cpu")
+    # every compiled model's layers share one region code object: a cache entry per layer and
+    # mode of all three models (compile_region allows for one model's)
+    layers = int(_config("baseline", False, shape).model.num_layers)
+    torch._dynamo.reset()  # no cache entries of models compiled before (make bench's others)
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 2 * len(MODES) * layers + 8)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = _config("baseline", False, shape).model
+        seq = int(model.seq_length)
+        window = torch.randint(0, VOCAB, (1, seq + 1), generator=torch.Generator().manual_seed(0))
+        variants = {}
+        for compiled in (False, True):
+            tag = "compiled" if compiled else "eager"
+            for name, mode in MODES.items():
+                variants[f"{name}_{tag}"] = engine_step(mode, compiled, backend, shape, launch)
+            variants[f"plain_{tag}"] = plain_step(compiled, backend, shape)
+        for step in variants.values():  # compiles, and settles allocator and caches
+            for _ in range(warmup):
+                step(window)
+        names = list(variants)
+        samples = {n: {"host_ms": [], "wall_ms": []} for n in names}
+        for r in range(reps):
+            for n in names[r % len(names) :] + names[: r % len(names)]:
+                cpu, wall = _timed(variants[n], window, steps)
+                samples[n]["host_ms"].append(cpu)
+                samples[n]["wall_ms"].append(wall)
+        ops = {n: top_level_aten_calls(lambda s=s: s(window)) for n, s in variants.items()}
+    finally:
+        torch.set_num_threads(threads)
+    result = {
+        "config": {
+            "shape": list(shape),
+            "layers_x_hidden": f"{model.num_layers} x {model.hidden_size}",
+            "step": list(STEP),
+            "batch": 1,
+            "seq": seq,
+            "threads": 1,
+            "backend": backend,
+            "reps": reps,
+            "steps_per_rep": steps,
+        },
+        "variants": {
+            n: {
+                "host_ms": statistics.median(samples[n]["host_ms"]),
+                "wall_ms": statistics.median(samples[n]["wall_ms"]),
+                "aten_ops": ops[n],
+            }
+            for n in names
+        },
+        "samples": samples,
+    }
+    result["ratios"] = ratios(samples, ops)
+    (out / "host.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def ratios(samples: dict, ops: dict) -> dict:
+    """Paired host-time ratios (and op ratios) of each mode over its baseline and over plain."""
+    out = {}
+    for tag in ("eager", "compiled"):
+        for mode in ("block", "full"):
+            out[f"{mode}_over_baseline_{tag}"] = {
+                "host": _ratio(samples, f"{mode}_{tag}", f"baseline_{tag}", "host_ms"),
+                "ops": ops[f"{mode}_{tag}"] / ops[f"baseline_{tag}"],
+            }
+        out[f"baseline_over_plain_{tag}"] = {
+            "host": _ratio(samples, f"baseline_{tag}", f"plain_{tag}", "host_ms"),
+            "ops": ops[f"baseline_{tag}"] / ops[f"plain_{tag}"],
+        }
+    return out
+
+
+def _cell(r: dict) -> str:
+    interval = r["interval"]
+    within = "" if interval is None else f" [{interval[0]:.2f}, {interval[1]:.2f}]"
+    return f"{r['ratio']:.2f}{within}"
+
+
+def markdown(result: dict) -> list[str]:
+    """The summary's section (``attnres_dist.bench.run``): a table and the floors."""
+    c, v, r = result["config"], result["variants"], result["ratios"]
+    lines = [
+        "",
+        "## Host work per training step at almost no arithmetic (CPU proxy)",
+        "",
+        f"{c['layers_x_hidden']}, 1 x {c['seq']} tokens, one thread; ours: DeepSpeed's bf16 "
+        "engine at pp = 1 (`train_batch`), plain GPT: a torch AdamW loop; compiled: "
+        f"`{c['backend']}`. Host time = process CPU time per step (median); ratios paired, "
+        "95% intervals in brackets.",
+        "",
+        "| variant | host ms (eager) | host ms (compiled) | aten ops (eager) | "
+        "aten ops (compiled) |",
+        "|---|---|---|---|---|",
+    ]
+    for name in ("baseline", "block", "full", "plain"):
+        e, k = v[f"{name}_eager"], v[f"{name}_compiled"]
+        lines.append(
+            f"| {name} | {e['host_ms']:.1f} | {k['host_ms']:.1f} | {e['aten_ops']} | "
+            f"{k['aten_ops']} |"
+        )
+    lines += ["", "| ratio | eager | compiled | floor (compiled) |", "|---|---|---|---|"]
+    block_e, block_c = r["block_over_baseline_eager"], r["block_over_baseline_compiled"]
+    full_e, full_c = r["full_over_baseline_eager"], r["full_over_baseline_compiled"]
+    base_e, base_c = r["baseline_over_plain_eager"], r["baseline_over_plain_compiled"]
+    lines += [
+        f"| Block / baseline, host time | {_cell(block_e['host'])} | {_cell(block_c['host'])} | "
+        f"<= {FLOORS['block_over_baseline_host']} |",
+        f"| Block / baseline, aten ops | {block_e['ops']:.2f} | {block_c['ops']:.2f} | "
+        f"<= {FLOORS['block_over_baseline_ops']} |",
+        f"| Full / baseline, host time | {_cell(full_e['host'])} | {_cell(full_c['host'])} | |",
+        f"| Full / baseline, aten ops | {full_e['ops']:.2f} | {full_c['ops']:.2f} | |",
+        f"| baseline / plain GPT, host time | {_cell(base_e['host'])} | {_cell(base_c['host'])} "
+        f"| <= {FLOOR_BASELINE_OVER_PLAIN} |",
+        f"| baseline / plain GPT, aten ops | {base_e['ops']:.2f} | {base_c['ops']:.2f} | |",
+    ]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench_results")
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--reps", type=int, default=12)
+    args = parser.parse_args(argv)
+    result = run(args.out, backend=args.backend, reps=args.reps)
+    print("\n".join(markdown(result)))
+
+
+if __name__ == "__main__":
+    main()

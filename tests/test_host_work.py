@@ -1,0 +1,125 @@
+"""Host work of a training step, removed where it does nothing, without changing the numbers.
+
+* At dp = 1 DeepSpeed's ``ReduceGrads`` (an all-reduce over one rank) is skipped: DeepSpeed's
+  own reduction never runs, and 3 steps of the bf16 engine (and of fp32 ZeRO-0) give
+  bitwise the losses and parameters of an identical engine that runs DeepSpeed's reduction
+  with fp32 communication; at dp = 2 and under fp32 ZeRO-1 the handler is DeepSpeed's.
+* The trainer's losses are tensors until read: ``train_step`` returns a 0-d tensor.
+* Batches reach the device through ``to_device`` (pinned, queued copies on a GPU; the GPU test
+  checks the copy neither waits for the device nor changes a value).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnres_dist.data.device_copy import to_device
+
+SHAPE = (
+    "model.num_layers=3",
+    "model.hidden_size=32",
+    "model.num_attention_heads=4",
+    "model.seq_length=8",
+    "model.attnres.block_size=2",
+    "optim.warmup_steps=1",
+    "optim.lr=1e-2",
+)
+
+
+@pytest.fixture(scope="module")
+def launch():
+    from attnres_dist.parallel.dims import ParallelDims
+    from attnres_dist.parallel.process_groups import init_distributed
+
+    return init_distributed(ParallelDims(), seed=0, device="cpu")
+
+
+def _engine(launch, dtype: str):
+    from attnres_dist.bench.host_bench import CONFIG, STEP, VOCAB
+    from attnres_dist.config import load_config
+    from attnres_dist.model.gpt import ModelBuilder
+    from attnres_dist.parallel.dims import ParallelDims
+    from attnres_dist.pipeline.engine import PipelineEngine
+    from attnres_dist.runtime import select_runtime
+
+    words = [*SHAPE, *STEP, f"runtime.dtype={dtype}", "train.global_batch_size=2"]
+    cfg = load_config(CONFIG, words)
+    runtime = select_runtime(cfg.runtime, cfg.model.attnres.impl)
+    builder = ModelBuilder(cfg.model, VOCAB, seed=0, runtime=runtime)
+    return PipelineEngine(cfg, builder, ParallelDims(), launch)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_single_replica_skips_reduction_with_the_same_parameters(launch, dtype, monkeypatch):
+    from deepspeed.runtime.pipe import schedule
+    from deepspeed.runtime.pipe.engine import PipelineEngine as DeepSpeedPipe
+
+    skipping, reducing = _engine(launch, dtype), _engine(launch, dtype)
+    original = DeepSpeedPipe._INSTRUCTION_MAP[schedule.ReduceGrads]
+    assert skipping.engine._INSTRUCTION_MAP[schedule.ReduceGrads] is not original
+    reducing.engine._INSTRUCTION_MAP[schedule.ReduceGrads] = original
+    # DeepSpeed communicates bf16 gradients by default: at dp = 1 its reduction rounds the fp32
+    # accumulated gradients to bf16 and back (single_replica.py). In fp32 it is the identity
+    # that the skip must equal.
+    reducing.engine.communication_data_type = torch.float32
+    calls = {id(skipping.engine): 0, id(reducing.engine): 0}
+    fallback = DeepSpeedPipe.buffered_allreduce_fallback
+
+    def counted(self, *args, **kwargs):
+        calls[id(self)] += 1
+        return fallback(self, *args, **kwargs)
+
+    monkeypatch.setattr(DeepSpeedPipe, "buffered_allreduce_fallback", counted)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        micro = [torch.randint(0, 257, (1, 9), generator=g) for _ in range(2)]
+        loss_skip, loss_ds = skipping.train_step(micro), reducing.train_step(micro)
+        assert isinstance(loss_skip, torch.Tensor) and torch.equal(loss_skip, loss_ds)
+    assert calls == {id(skipping.engine): 0, id(reducing.engine): 3}
+    pairs = zip(skipping.checkpoint_params(), reducing.checkpoint_params(), strict=True)
+    for (name, a, _), (_, b, _) in pairs:
+        if skipping.sharded_state is not None:  # bf16: the fp32 master weights
+            a, b = skipping.sharded_state.master(a), reducing.sharded_state.master(b)
+        assert torch.equal(a, b), name
+
+
+def test_reduction_kept_where_it_does_something():
+    from deepspeed.runtime.pipe import schedule
+    from deepspeed.runtime.pipe.engine import PipelineEngine as DeepSpeedPipe
+
+    from attnres_dist.pipeline.single_replica import skip_single_replica_reduction
+
+    class Engine:  # what the skip reads and writes: the instruction map
+        _INSTRUCTION_MAP = DeepSpeedPipe._INSTRUCTION_MAP
+
+    for dp, zero1_fp32 in ((2, False), (1, True)):
+        engine = Engine()
+        assert not skip_single_replica_reduction(engine, dp, zero1_fp32)
+        assert "_INSTRUCTION_MAP" not in vars(engine)
+    engine = Engine()
+    assert skip_single_replica_reduction(engine, 1, False)
+    handlers = vars(engine)["_INSTRUCTION_MAP"]
+    assert (
+        handlers[schedule.ReduceGrads] is not DeepSpeedPipe._INSTRUCTION_MAP[schedule.ReduceGrads]
+    )
+    assert DeepSpeedPipe._INSTRUCTION_MAP[schedule.ReduceGrads] is DeepSpeedPipe._exec_reduce_grads
+    others = set(handlers) - {schedule.ReduceGrads}
+    assert all(handlers[k] is DeepSpeedPipe._INSTRUCTION_MAP[k] for k in others)
+
+
+def test_to_device_on_cpu_is_the_tensor():
+    t = torch.arange(6).view(2, 3)
+    assert to_device(t, torch.device("cpu")) is t
+
+
+@pytest.mark.cuda
+def test_to_device_copies_to_gpu_without_waiting():
+    t = torch.randint(0, 50_000, (8, 1025))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a copy that waits for the device raises
+    try:
+        on_gpu = to_device(t, torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), t)
