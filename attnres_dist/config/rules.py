@@ -199,6 +199,7 @@ def _validate_runtime(r: RuntimeConfig) -> None:
         ("cpu_allocator", ("auto", "retain", "system")),
         ("cpu_binding", ("none", "cores")),
         ("compile", ("auto", "off", "layer")),
+        ("compile_backend", ("inductor", "aot_eager", "eager")),
     ):
         value = getattr(r, name)
         _require(

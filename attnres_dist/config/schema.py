@@ -136,6 +136,9 @@ class RuntimeConfig:
     # compile, runtime/select.py says when auto takes it); layer takes the torch depth-attention
     # ops and torch's RMSNorm, which the compiler sees, in place of the C kernels
     compile: str | bool = "auto"
+    # inductor | aot_eager | eager: the torch.compile backend of a compiled layer (torchtitan's
+    # compile.backend); aot_eager traces forward and backward without generating code
+    compile_backend: str = "inductor"
 
     def __post_init__(self):
         for name in ("fused_norm", "fused_optimizer", "compile"):

@@ -70,6 +70,8 @@ class RuntimeChoice:
     cpu_allocator: Choice | None = None
     # layer | off: each transformer layer one torch.compile graph, or eager
     compile: Choice | None = None
+    # inductor | aot_eager | eager: the compiled layers' backend (only when compiled)
+    compile_backend: Choice | None = None
 
     @classmethod
     def reference(cls) -> RuntimeChoice:
@@ -228,6 +230,7 @@ def select_runtime(runtime, depth_attention: str = "auto") -> RuntimeChoice:
     device = Choice("cuda" if cuda.ok else "cpu", cuda.detail)
     compile_choice = select_compile(runtime.compile, device.value)
     compiled = compile_choice.value == "layer"
+    backend = Choice(runtime.compile_backend, "set in config") if compiled else None
     layer_spec = _pick(
         p, "layer_spec", runtime.layer_spec, "te", "local", "local", "transformer_engine"
     )
@@ -272,6 +275,7 @@ def select_runtime(runtime, depth_attention: str = "auto") -> RuntimeChoice:
         impl,
         cpu_allocator,
         compile_choice,
+        backend,
     )
 
 
