@@ -108,7 +108,6 @@ def test_compile_choice_takes_traceable_ops():
     ("override", "field"),
     [
         ("model.attention_dropout=0.1", "runtime.compile"),
-        ("parallel.recompute=attnres", "runtime.compile"),
         ("parallel.tp=2", "runtime.compile"),
         ("model.attnres.impl=cpu_fused", "model.attnres.impl"),
         ("runtime.fused_norm=on", "runtime.fused_norm"),
@@ -158,6 +157,27 @@ def test_full_recompute_around_compiled_layers():
     eager = build("block", 4)
     torch._dynamo.reset()
     for layer in compiled.layers:
+        layer.compile_region("aot_eager")
+    assert_same_numbers(compiled, eager)
+
+
+@pytest.mark.parametrize(("mode", "block_size"), [("block", 4), ("full", 1)])
+def test_attnres_recompute_inside_compiled_layers(mode, block_size):
+    """``recompute: attnres`` checkpoints the depth mix and its norm inside each compiled
+    region (``fullgraph``: the checkpoint traces as a tagged subgraph, no break): the same
+    numbers as eager without recompute, two-phase (Block) and one-pass (Full) mixes."""
+    compiled = build(mode, block_size, **{"parallel.recompute": "attnres"})
+    eager = build(mode, block_size)
+    first = compiled.layers[0]
+    state = compiled.embedding(window()[:, :-1])
+    ref = state.partial if state.store is None else state.store[0]
+    ctx = sequence_context(first.layer.config, ref, first.rotary_base)
+    torch._dynamo.reset()
+    graphs = torch._dynamo.explain(first.sublayers)(state, ctx).graphs
+    assert "tag_activation_checkpoint" in graphs[0].code  # the checkpoint is in the graph
+    torch._dynamo.reset()
+    for layer in compiled.layers:
+        assert layer.recompute == "attnres"
         layer.compile_region("aot_eager")
     assert_same_numbers(compiled, eager)
 

@@ -225,12 +225,6 @@ def _validate_compile(cfg: Config) -> None:
         f"'layer' does not run tensor parallelism yet (parallel.tp={cfg.parallel.tp}: Megatron's "
         "linears all-reduce asynchronously in backward); use off or auto",
     )
-    _require(
-        cfg.parallel.recompute != "attnres",
-        "runtime.compile",
-        "'layer' does not run parallel.recompute=attnres yet (its checkpoint sits inside the "
-        "layer's graph); use recompute none or full, or compile off or auto",
-    )
 
 
 def _validate_partition(partition, pp: int, num_layers: int, unit: str = "stage") -> None:
