@@ -12,8 +12,10 @@
   masks: the layout-independent streams, and inductor's ``fallback_random``); so do 2 training
   steps of a pp = 2 pipeline on each schedule against the eager single process (1F1B with
   inductor, DualPipeV and interleaved with aot_eager: the same regions in other orders, without
-  paying for code generation twice more), and full recompute around compiled layers. A
-  compiled run resumed from a checkpoint continues on the uninterrupted eager run.
+  paying for code generation twice more), full recompute around compiled layers and
+  ``attnres`` recompute inside them. A compiled run resumed from a checkpoint continues on the
+  uninterrupted eager run.
+* bf16: compiled (inductor) gradients no further from the fp32 model's than eager bf16's.
 The eager model is the reference: nothing here compares the compiled model to itself.
 """
 
@@ -31,6 +33,7 @@ from attnres_dist.errors import ConfigError
 from attnres_dist.model import dropout_streams
 from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
 from attnres_dist.model.sequence_context import sequence_context
+from attnres_dist.ops import cpu_rms_norm
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
 from attnres_dist.runtime.select import select_runtime
@@ -110,7 +113,6 @@ def test_compile_choice_takes_traceable_ops():
         ("model.attention_dropout=0.1", "runtime.compile"),
         ("parallel.tp=2", "runtime.compile"),
         ("model.attnres.impl=cpu_fused", "model.attnres.impl"),
-        ("runtime.fused_norm=on", "runtime.fused_norm"),
     ],
 )
 def test_compile_refuses_what_it_does_not_trace(override, field):
@@ -178,6 +180,29 @@ def test_attnres_recompute_inside_compiled_layers(mode, block_size):
     torch._dynamo.reset()
     for layer in compiled.layers:
         assert layer.recompute == "attnres"
+        layer.compile_region("aot_eager")
+    assert_same_numbers(compiled, eager)
+
+
+@pytest.mark.skipif(cpu_rms_norm.requirement() is not None, reason="the C kernels do not build")
+def test_c_rms_norm_stays_in_the_graph():
+    """``runtime.fused_norm: on`` under ``layer`` (CPU): the C RMSNorm runs as registered ops
+    (``attnres::rms_norm``), so each layer is still one graph with the kernel in it, and the
+    compiled model equals the eager one with the same kernel within 1e-5."""
+    cfg = load_config(None, ["runtime.compile=layer", "runtime.fused_norm=on"])
+    assert select_runtime(cfg.runtime).norm.value == "cpu"
+    compiled = build("block", 4, **{"runtime.fused_norm": "on"})
+    eager = build("block", 4, **{"runtime.fused_norm": "on"})
+    first = compiled.layers[0]
+    assert isinstance(first.layer.input_layernorm, cpu_rms_norm.CpuRMSNorm)
+    state = compiled.embedding(window()[:, :-1])
+    ctx = sequence_context(first.layer.config, state.store[0], first.rotary_base)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(first.sublayers)(state, ctx)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    assert "attnres.rms_norm" in explained.graphs[0].code
+    torch._dynamo.reset()
+    for layer in compiled.layers:
         layer.compile_region("aot_eager")
     assert_same_numbers(compiled, eager)
 

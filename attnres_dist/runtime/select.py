@@ -27,7 +27,8 @@ selection applies, since it holds for the whole process from then on.
 Whether each transformer layer runs as one ``torch.compile`` graph (``runtime.compile``:
 ``layer``; ``off``: eagerly) is chosen here as well. A compiled layer needs ops the compiler
 sees: the torch two-phase depth attention (``twophase``) and torch's RMSNorm, so ``layer``
-resolves ``auto`` to those and refuses the C kernels by name. ``auto`` compiles only where it
+resolves ``auto`` to those and refuses the fused C depth-attention kernels and apex's norm by
+name; the C RMSNorm (registered ops) is kept when asked for. ``auto`` compiles only where it
 was measured to pay (``COMPILE_AUTO``): not on a CPU, where compiling the layers costs more
 than a whole ``make train`` run gains (docs/compile.md), and not yet on a GPU, where it has
 not been measured.
@@ -242,12 +243,14 @@ def select_runtime(runtime, depth_attention: str = "auto") -> RuntimeChoice:
         )
     if compiled and runtime.fused_norm != "on":
         norm = Choice("torch", "torch RMSNorm, which a compiled layer traces")
-    elif compiled:
+    elif compiled and cuda.ok:
         raise ConfigError(
             "runtime.fused_norm",
-            "'on' is a kernel a compiled layer does not trace (runtime.compile=layer); "
-            "use auto or off, or runtime.compile=off",
+            "'on' is apex's kernel, which a compiled layer does not trace "
+            "(runtime.compile=layer); use auto or off, or runtime.compile=off",
         )
+    elif compiled:  # the C RMSNorm: registered ops, which a compiled layer keeps whole
+        norm = _norm(p, "on")
     else:
         norm = _norm(p, runtime.fused_norm)
     if norm.value == "apex" and layer_spec.value == "te":
