@@ -16,6 +16,7 @@
   ``attnres`` recompute inside them. A compiled run resumed from a checkpoint continues on the
   uninterrupted eager run.
 * bf16: compiled (inductor) gradients no further from the fp32 model's than eager bf16's.
+* The C RMSNorm (``fused_norm: on``, registered ops) stays inside a layer's one graph.
 The eager model is the reference: nothing here compares the compiled model to itself.
 """
 
