@@ -200,6 +200,7 @@ def _validate_runtime(r: RuntimeConfig) -> None:
         ("cpu_binding", ("none", "cores")),
         ("compile", ("auto", "off", "layer")),
         ("cuda_graphs", ("auto", "off", "on")),
+        ("compile_backend", ("inductor", "aot_eager", "eager")),
     ):
         value = getattr(r, name)
         _require(
@@ -217,6 +218,12 @@ def _validate_compile(cfg: Config) -> None:
         f"'on' replays the compiled layers (runtime.compile=layer), but runtime.compile="
         f"{cfg.runtime.compile}; set runtime.compile=layer or runtime.cuda_graphs=off",
     )
+    _require(
+        cfg.runtime.cuda_graphs != "on" or cfg.runtime.compile_backend == "inductor",
+        "runtime.cuda_graphs",
+        f"'on' is inductor's CUDA graph trees, but runtime.compile_backend="
+        f"{cfg.runtime.compile_backend}; set runtime.compile_backend=inductor",
+    )
     if cfg.runtime.compile != "layer":
         return
     _require(
@@ -230,12 +237,6 @@ def _validate_compile(cfg: Config) -> None:
         "runtime.compile",
         f"'layer' does not run tensor parallelism yet (parallel.tp={cfg.parallel.tp}: Megatron's "
         "linears all-reduce asynchronously in backward); use off or auto",
-    )
-    _require(
-        cfg.parallel.recompute != "attnres",
-        "runtime.compile",
-        "'layer' does not run parallel.recompute=attnres yet (its checkpoint sits inside the "
-        "layer's graph); use recompute none or full, or compile off or auto",
     )
 
 

@@ -140,6 +140,9 @@ class RuntimeConfig:
     # CUDA graph trees); on needs compile: layer and a GPU; auto takes it only once the GPU
     # check has run it (runtime/gpu_checked.py)
     cuda_graphs: str | bool = "auto"
+    # inductor | aot_eager | eager: the torch.compile backend of a compiled layer (torchtitan's
+    # compile.backend); aot_eager traces forward and backward without generating code
+    compile_backend: str = "inductor"
 
     def __post_init__(self):
         for name in ("fused_norm", "fused_optimizer", "compile", "cuda_graphs"):

@@ -106,7 +106,10 @@ class ModelBuilder:
         if self.model.attnres.source_scaled_eps and self.plan.mode != "baseline":
             scale_norm_eps(part.sublayer_norms(), self.plan, 2 * index + 1)
         if self.runtime.compiled:  # after the norms are final: a graph reads their epsilon
-            part.compile_region(cuda_graphs=self.runtime.graphed)
+            backend = self.runtime.compile_backend
+            part.compile_region(
+                backend.value if backend else "inductor", cuda_graphs=self.runtime.graphed
+            )
         return part
 
     def final(self) -> FinalAggregation:

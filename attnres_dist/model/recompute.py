@@ -68,5 +68,12 @@ def _rng_contexts():
 
 
 def checkpoint(function, *args):
-    """``function(*args)`` checkpointed (non-reentrant) with every RNG stream replayed."""
+    """``function(*args)`` checkpointed (non-reentrant) with every RNG stream replayed.
+
+    Inside a compiled layer (``recompute: attnres``, the only recompute that runs there: full
+    recompute wraps whole layers from outside) the region is a depth mix and its norm, which
+    draw no random numbers: nothing to replay, and Dynamo traces a plain non-reentrant
+    checkpoint as a tagged subgraph that the backward graph recomputes."""
+    if torch.compiler.is_compiling():
+        return torch_checkpoint(function, *args, use_reentrant=False)
     return torch_checkpoint(function, *args, use_reentrant=False, context_fn=_rng_contexts)

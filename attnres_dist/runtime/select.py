@@ -29,7 +29,8 @@ selection applies, since it holds for the whole process from then on.
 Whether each transformer layer runs as one ``torch.compile`` graph (``runtime.compile``:
 ``layer``; ``off``: eagerly) is chosen here as well. A compiled layer needs ops the compiler
 sees: the torch two-phase depth attention (``twophase``) and torch's RMSNorm, so ``layer``
-resolves ``auto`` to those and refuses the C kernels by name. ``auto`` compiles only where it
+resolves ``auto`` to those and refuses the fused C depth-attention kernels and apex's norm by
+name; the C RMSNorm (registered ops) is kept when asked for. ``auto`` compiles only where it
 was measured to pay (``COMPILE_AUTO``): not on a CPU, where compiling the layers costs more
 than a whole ``make train`` run gains (docs/compile.md), and not yet on a GPU, where it has
 not been measured.
@@ -79,6 +80,8 @@ class RuntimeChoice:
     compile: Choice | None = None
     # on | off: the compiled layers replayed as CUDA graphs (compile mode reduce-overhead)
     cuda_graphs: Choice | None = None
+    # inductor | aot_eager | eager: the compiled layers' backend (only when compiled)
+    compile_backend: Choice | None = None
 
     @classmethod
     def reference(cls) -> RuntimeChoice:
@@ -277,6 +280,7 @@ def select_runtime(runtime, depth_attention: str = "auto") -> RuntimeChoice:
     compile_choice = select_compile(runtime.compile, device.value)
     compiled = compile_choice.value == "layer"
     cuda_graphs = select_cuda_graphs(runtime.cuda_graphs, cuda, compiled)
+    backend = Choice(runtime.compile_backend, "set in config") if compiled else None
     layer_spec = _pick(
         p, "layer_spec", runtime.layer_spec, "te", "local", "local", "transformer_engine", "te"
     )
@@ -288,12 +292,14 @@ def select_runtime(runtime, depth_attention: str = "auto") -> RuntimeChoice:
         )
     if compiled and runtime.fused_norm != "on":
         norm = Choice("torch", "torch RMSNorm, which a compiled layer traces")
-    elif compiled:
+    elif compiled and cuda.ok:
         raise ConfigError(
             "runtime.fused_norm",
-            "'on' is a kernel a compiled layer does not trace (runtime.compile=layer); "
-            "use auto or off, or runtime.compile=off",
+            "'on' is apex's kernel, which a compiled layer does not trace "
+            "(runtime.compile=layer); use auto or off, or runtime.compile=off",
         )
+    elif compiled:  # the C RMSNorm: registered ops, which a compiled layer keeps whole
+        norm = _norm(p, "on")
     else:
         norm = _norm(p, runtime.fused_norm)
     if norm.value == "apex" and layer_spec.value == "te":
@@ -322,6 +328,7 @@ def select_runtime(runtime, depth_attention: str = "auto") -> RuntimeChoice:
         cpu_allocator,
         compile_choice,
         cuda_graphs,
+        backend,
     )
 
 
