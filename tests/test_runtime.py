@@ -384,6 +384,11 @@ def test_cuda_graphs_need_compiled_layers_in_the_config():
     # YAML's bare on reads as true; the section turns it back into the word
     cfg = load_config("configs/tiny.yaml", ["runtime.compile=layer", "runtime.cuda_graphs=on"])
     assert cfg.runtime.cuda_graphs == "on"
+    graphs = ["runtime.compile=layer", "runtime.cuda_graphs=on"]
+    with pytest.raises(ConfigError) as info:  # CUDA graph trees are inductor's
+        load_config("configs/tiny.yaml", [*graphs, "runtime.compile_backend=aot_eager"])
+    assert info.value.where == "runtime.cuda_graphs"
+    assert "compile_backend=inductor" in str(info.value)
 
 
 def test_cuda_graphs_on_a_gpu_asked_for_or_after_the_check(machine, monkeypatch):
