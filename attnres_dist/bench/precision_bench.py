@@ -103,6 +103,8 @@ def state_bytes(engine) -> int:
         add(p)
     wrapper = ds.optimizer
     for value in vars(wrapper).values():
+        if torch.is_tensor(value) and value.dim() == 0:
+            continue  # a scalar it keeps for logging (the last clip norm), not state
         add(value)
     basic = getattr(wrapper, "optimizer", wrapper)
     for group in basic.param_groups:
