@@ -210,6 +210,8 @@ def _trainer(work: Path, shape: Shape, mb: int, mode: str, path: str, dry: bool,
     overrides += [f"train.micro_batch_size={mb}", f"train.global_batch_size={mb}"]
     overrides += [f"train.steps={steps}", "runtime.layer_spec=local", _dtype(dry), *QUIET]
     overrides += [*PATHS[path], f"output.run_dir={work / f'speed-{mb}-{mode}-{path}'}"]
+    if dry and path == "compiled":  # traced and differentiated, no code generated: seconds
+        overrides.append("runtime.compile_backend=aot_eager")
     return Trainer(load_config("configs/gpt-125m.yaml", overrides))
 
 
@@ -301,12 +303,6 @@ def speed(name: str, work: Path, dry: bool) -> dict:
     from attnres_dist.gpu_check.train_steps import _peak_gib, _reset_peak
 
     shape = DRY[name] if dry else SHAPES[name]
-    if dry:  # the compiled layers traced and differentiated, no code generated: seconds
-        from attnres_dist.model.attnres_layer import AttnResLayer
-
-        AttnResLayer.compile_region = functools.partialmethod(
-            AttnResLayer.compile_region, "aot_eager"
-        )
     deadline = time.monotonic() + _step_limit_s(300) - 20
     cuda = _cuda(dry)
     result = {"step": name, "shape": shape.__dict__, "dtype": "bf16" if cuda else "fp32 (dry run)"}
