@@ -293,7 +293,21 @@ def test_bad_runtime_words_name_the_field(override, field):
     assert info.value.where == field
 
 
-def test_trainer_asking_for_te_here_stops_before_any_process_group(small_dataset, tmp_path):
+REFUSED_HERE = [
+    pytest.param(("runtime.layer_spec=te",), "runtime.layer_spec", id="te"),
+    pytest.param(
+        ("runtime.compile=layer", "runtime.cuda_graphs=on"),
+        "runtime.cuda_graphs",
+        id="cuda_graphs",
+        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs CUDA graphs"),
+    ),
+]
+
+
+@pytest.mark.parametrize(("asked", "field"), REFUSED_HERE)
+def test_trainer_asking_for_what_this_machine_lacks_stops_before_any_process_group(
+    asked, field, small_dataset, tmp_path
+):
     import torch.distributed as dist
 
     from attnres_dist.train.trainer import Trainer
@@ -303,14 +317,14 @@ def test_trainer_asking_for_te_here_stops_before_any_process_group(small_dataset
         [
             f"data.path={small_dataset}",
             "parallel.pp=1",
-            "runtime.layer_spec=te",
+            *asked,
             f"output.run_dir={tmp_path / 'run'}",
         ],
     )
     was_initialized = dist.is_initialized()
     with pytest.raises(ConfigError) as info:
         Trainer(cfg)
-    assert info.value.where == "runtime.layer_spec"
+    assert info.value.where == field
     assert dist.is_initialized() == was_initialized
 
 
@@ -408,28 +422,3 @@ def test_cuda_graphs_on_a_gpu_asked_for_or_after_the_check(machine, monkeypatch)
         select_runtime(RuntimeConfig(cuda_graphs="on"))  # built without the config's rules
     off = select_runtime(RuntimeConfig(compile="layer", cuda_graphs="off"))
     assert off.cuda_graphs == Choice("off", "set in config")
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs CUDA graphs")
-def test_trainer_asking_for_cuda_graphs_here_stops_before_any_process_group(
-    small_dataset, tmp_path
-):
-    import torch.distributed as dist
-
-    from attnres_dist.train.trainer import Trainer
-
-    cfg = load_config(
-        "configs/tiny.yaml",
-        [
-            f"data.path={small_dataset}",
-            "parallel.pp=1",
-            "runtime.compile=layer",
-            "runtime.cuda_graphs=on",
-            f"output.run_dir={tmp_path / 'run'}",
-        ],
-    )
-    was_initialized = dist.is_initialized()
-    with pytest.raises(ConfigError) as info:
-        Trainer(cfg)
-    assert info.value.where == "runtime.cuda_graphs"
-    assert dist.is_initialized() == was_initialized
