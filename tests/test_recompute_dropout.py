@@ -169,7 +169,11 @@ def test_pipelined_recompute_is_exact_under_dropout(small_dataset, tmp_path):
     assert len(single) == 2 and all(len(run) == 2 for run in pipelined.values())
     for mode in MODES[1:]:
         for step, expected in enumerate(pipelined[("none", 1)]):
-            assert_same(pipelined[mode][step], expected)
+            # full recompute sums a group's input gradients in another order (measured: 6e-8
+            # apart in step 1); AdamW's first update is +-lr per element, so a gradient within
+            # rounding of zero can flip, and step 2's gradients see it (measured: 6e-6). Masks
+            # replayed wrong move them by more than 1e-4 (the control test above).
+            assert_same(pipelined[mode][step], expected, tol=1e-6 if step == 0 else 1e-5)
     # the same masks as in one process: neither the stage layout nor the data-parallel split
     # (global micro-batch indices) changes the streams
     data_parallel = grads_case(tmp_path, "dp2", args("none", 1, 1, dp=2), 2)

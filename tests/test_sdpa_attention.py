@@ -242,11 +242,16 @@ def test_attention_dropout_keeps_or_zeroes_each_weight(cls):
     assert abs(zeroed - p) < 5 * sigma, (zeroed, p, n)  # n ~ 4000 weights: sigma ~ 0.007
 
 
-def test_sdpa_dropout_draws_from_the_model_parallel_tracker_and_eval_equals_megatron():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_sdpa_dropout_stream_replays_and_eval_equals_megatron(tp):
+    """At tp = 1 the masks come from the default generator (what a compiled layer traces); under
+    tensor parallelism from the model-parallel tracker's fork, so each rank draws its own heads'.
+    Either way, restoring the stream replays the same masks, as recompute does."""
     from megatron.core import tensor_parallel
 
     megatron_compat.seed_model_parallel_rng(11)
     megatron, sdpa, config = pair(4, dropout=0.5)
+    config.tensor_model_parallel_size = tp  # after construction: the shapes stay one rank's
     tensors = qkv(16, 2, 4, 4, 16, seed=2)
     mask = sequence_context(config, tensors[0], 10000).attention_mask
     tracker = tensor_parallel.get_cuda_rng_tracker()
@@ -255,16 +260,18 @@ def test_sdpa_dropout_draws_from_the_model_parallel_tracker_and_eval_equals_mega
     before_tracker = tracker.get_states()
     with torch.no_grad():
         first = sdpa(*tensors, mask)
-    assert torch.equal(torch.get_rng_state(), before_default)  # the default stream is untouched
-    assert any(  # the tracker's stream moved on
+    default_moved = not torch.equal(torch.get_rng_state(), before_default)
+    tracker_moved = any(
         not torch.equal(before_tracker[k], v) for k, v in tracker.get_states().items()
     )
-    tracker.set_states(before_tracker)  # what recompute does: restore, and draw the same masks
+    assert (default_moved, tracker_moved) == ((True, False) if tp == 1 else (False, True))
+    torch.set_rng_state(before_default), tracker.set_states(before_tracker)
     with torch.no_grad():
         replay = sdpa(*tensors, mask)
         other = sdpa(*tensors, mask)
     assert torch.equal(first, replay)
     assert not torch.equal(first, other)
+    config.tensor_model_parallel_size = 1
     megatron.eval(), sdpa.eval()
     with torch.no_grad():
         ref = megatron(*tensors, mask)

@@ -1,8 +1,9 @@
 """Dropout random streams that are the same in every pipeline and data-parallel layout.
 
 Dropout draws from two generators: the default one (the AttnRes layer's hidden dropout) and
-Megatron-Core's RNG tracker (attention dropout inside ``DotProductAttention``, whose
-model-parallel stream is offset by the tensor rank so that head shards draw different masks).
+Megatron-Core's RNG tracker (attention dropout under tensor parallelism, whose model-parallel
+stream is offset by the tensor rank so that head shards draw different masks; at ``tp = 1``
+attention dropout draws from the default generator, ``model/sdpa_attention.py``).
 Drawn sequentially, the masks of layer ``l`` would depend on how many draws ran before it on
 the same rank: on the stage layout. Megatron accepts that (it offsets its seed by pipeline
 rank, so pp = 2 and pp = 1 train different dropout masks).

@@ -29,9 +29,13 @@ query attention: query head ``i`` reads key/value group ``i // (np / ng)``, as M
 with every key masked gives NaN here (SDPA) where Megatron's ``-10000`` fill gives a uniform
 row; causal masks never have one.
 
-Attention dropout (training mode, ``p > 0``) draws inside the model-parallel RNG tracker's
-fork, as Megatron's does, so recompute and RNG checkpointing see the same streams; with
-``p = 0`` or in eval mode nothing is drawn and the fork is skipped. The dropout masks
+Attention dropout (training mode, ``p > 0``) under tensor parallelism draws inside the
+model-parallel RNG tracker's fork, as Megatron's does, so that each tensor rank draws its own
+heads' masks. At ``tp = 1`` there are no head shards to tell apart and it draws from the
+default generator, which the layer's dropout stream seeds as it seeds the tracker
+(``model/dropout_streams.py``): recompute replays it the same way, and a compiled layer runs
+it inside its graph (the fork swaps generator states, which TorchDynamo cannot trace). With
+``p = 0`` or in eval mode nothing is drawn. The dropout masks
 themselves differ from Megatron's (SDPA draws its own), so equality under dropout is in
 distribution, not bit for bit.
 
@@ -96,7 +100,11 @@ class SdpaAttention(DotProductAttention):
         p = self.attention_dropout.p if self.training else 0.0
         call = dict(attn_mask=mask, is_causal=causal, scale=self.sdpa_scale)
         call["enable_gqa"] = key.shape[2] != heads
-        if p > 0.0 and not self.config.sequence_parallel:
+        if (
+            p > 0.0
+            and self.config.tensor_model_parallel_size > 1
+            and not self.config.sequence_parallel
+        ):
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, **call)
         else:
