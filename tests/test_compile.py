@@ -8,13 +8,13 @@
   its own), none in the second.
 * Same numbers: the loss and every parameter's gradient of a compiled model (inductor's CPU
   backend) equal the eager model's with the same weights and ops within 1e-5 (fp32), for the
-  baseline, Block with an uneven last block and Full, hidden dropout 0.1 on (both draw the same
-  masks: the layout-independent streams, and inductor's ``fallback_random``); so do 2 training
-  steps of a pp = 2 pipeline on each schedule against the eager single process (1F1B with
-  inductor, DualPipeV and interleaved with aot_eager: the same regions in other orders, without
-  paying for code generation twice more), full recompute around compiled layers and
-  ``attnres`` recompute inside them. A compiled run resumed from a checkpoint continues on the
-  uninterrupted eager run.
+  baseline, Block with an uneven last block and Full, hidden and attention dropout 0.1 on (both
+  draw the same masks: the layout-independent streams, and inductor's ``fallback_random``); so
+  do 2 training steps of a pp = 2 pipeline on each schedule against the eager single process
+  (1F1B with inductor, DualPipeV and interleaved with aot_eager: the same regions in other
+  orders, without paying for code generation twice more), full recompute around compiled
+  layers and ``attnres`` recompute inside them. A compiled run resumed from a checkpoint
+  continues on the uninterrupted eager run.
 * bf16: compiled (inductor) gradients no further from the fp32 model's than eager bf16's.
 * The C RMSNorm (``fused_norm: on``, registered ops) stays inside a layer's one graph.
 The eager model is the reference: nothing here compares the compiled model to itself.
@@ -59,7 +59,8 @@ def build(mode: str, block_size: int, compile: str = "off", **extra) -> AttnResG
     """The tiny model with the ops a compiled layer runs (torch two-phase depth attention,
     torch RMSNorm, SDPA), compiled per layer by inductor when ``compile`` is ``layer``."""
     ops = {"model.attnres.impl": "twophase", "runtime.fused_norm": "off"}
-    extra = {"model.hidden_dropout": 0.1, "runtime.compile": compile, **ops, **extra}
+    dropout = {"model.hidden_dropout": 0.1, "model.attention_dropout": 0.1}
+    extra = {**dropout, "runtime.compile": compile, **ops, **extra}
     cfg = load_config(None, tiny_overrides(mode, block_size, 3, **extra))
     choice = select_runtime(cfg.runtime, cfg.model.attnres.impl)
     builder = ModelBuilder(cfg.model, VOCAB, seed=0, runtime=choice)
@@ -111,15 +112,14 @@ def test_compile_choice_takes_traceable_ops():
 @pytest.mark.parametrize(
     ("override", "field"),
     [
-        ("model.attention_dropout=0.1", "runtime.compile"),
-        ("parallel.tp=2", "runtime.compile"),
-        ("model.attnres.impl=cpu_fused", "model.attnres.impl"),
+        (("parallel.tp=2", "model.attention_dropout=0.1"), "runtime.compile"),
+        (("model.attnres.impl=cpu_fused",), "model.attnres.impl"),
     ],
 )
 def test_compile_refuses_what_it_does_not_trace(override, field):
     """One-line ConfigErrors naming the field, before any process group would start."""
     with pytest.raises(ConfigError, match=f"^{re.escape(field)}: [^\n]*$"):
-        cfg = load_config(None, ["runtime.compile=layer", override])
+        cfg = load_config(None, ["runtime.compile=layer", *override])
         select_runtime(cfg.runtime, cfg.model.attnres.impl)
 
 
@@ -296,6 +296,18 @@ def test_pipeline_compiled_matches_eager(schedule, eager_reference, small_datase
     args = [*args, *extra, "runtime.compile=layer", f"runtime.compile_backend={backend}"]
     result = train_case(tmp_path, "pp2", args, nproc=2)
     assert_matches(result, eager_reference, f"compile pp2 {schedule} block")
+
+
+def test_tensor_parallel_compiled_matches_eager(eager_reference, small_dataset, tmp_path):
+    """tp = 2 (torchrun, two processes), every layer compiled by inductor with its
+    tensor-parallel all-reduces inside the graph (the row-parallel output's in forward, the
+    column-parallel input gradient's in backward), against the eager single-process run: the
+    losses of 2 optimizer steps and every parameter after them within 1e-5. A reduction
+    missing from the graph leaves each rank with half the heads' contribution."""
+    args = overrides(small_dataset, "block", str(tmp_path / "tp2"), tp=2, **PIPELINE)
+    args = [*args, "runtime.compile=layer", "runtime.compile_backend=inductor"]
+    result = train_case(tmp_path, "tp2", args, nproc=2)
+    assert_matches(result, eager_reference, "compile tp2 block")
 
 
 def test_resume_compiled_matches_uninterrupted_eager(eager_reference, small_dataset, tmp_path):

@@ -43,9 +43,9 @@ def test_pack_unpack_round_trip_and_gradients(mode, size):
         back = unpack(payload, plan, layers, "test boundary")
         assert back.layers_done == layers
         assert (back.partial is None) == (state.partial is None)
-        for a, b in zip(back.tensors(), leaves, strict=True):
+        for a, b in zip(back.sources(), leaves, strict=True):
             assert torch.equal(a, b)
-        sum(t.sum() * (i + 1) for i, t in enumerate(back.tensors())).backward()
+        sum(t.sum() * (i + 1) for i, t in enumerate(back.sources())).backward()
         for i, leaf in enumerate(leaves):
             assert torch.equal(leaf.grad, torch.full_like(leaf, i + 1.0))
 

@@ -102,6 +102,7 @@ class AttnResLayer(torch.nn.Module):
         options = {"fallback_random": True} if backend == "inductor" else None
         if cuda_graphs:
             options = {**(options or {}), "triton.cudagraphs": True}
+        _synchronous_input_grad_reduce(self.layer)
         self._region = torch.compile(
             self.sublayers, backend=backend, fullgraph=True, dynamic=False, options=options
         )
@@ -183,7 +184,10 @@ class AttnResLayer(torch.nn.Module):
         """The layer's two sublayers on ``state``: the region ``compile_region`` compiles."""
         first = self.first_sublayer
         state = self._sublayer(state, first, ctx)
-        return self._sublayer(state, first + 1, ctx)
+        state = self._sublayer(state, first + 1, ctx)
+        if state.phase1 is None:
+            return state
+        return replace(state, phase1=state.phase1.handed_on(first + 2))
 
     def forward(self, state: DepthState) -> DepthState:
         if state.layers_done > self.layer_index:
@@ -219,3 +223,15 @@ def configure_recompute(layers: list[AttnResLayer], mode: str, interval: int = 1
         for layer in group:
             layer.recompute = mode
             layer.group = group
+
+
+def _synchronous_input_grad_reduce(layer: torch.nn.Module) -> None:
+    """Under tensor parallelism, each column-parallel linear's input gradient all-reduced by
+    Megatron's own synchronous path (``copy_to_tensor_model_parallel_region``) instead of the
+    asynchronous one inside its matmul's backward: the same sum, but an ``async_op`` handle
+    does not trace, and inside a compiled region the compiler orders the collective anyway."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    for module in layer.modules():
+        if isinstance(module, ColumnParallelLinear) and module.allreduce_dgrad:
+            module.allreduce_dgrad = False

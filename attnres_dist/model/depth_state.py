@@ -220,6 +220,23 @@ class Phase1Cache:
     # out1[0] is the first sublayer's normalised input (phase 1 applied its RMSNorm)
     first_normed: bool = False
 
+    def handed_on(self, sublayer: int) -> Phase1Cache:
+        """The results that sublayers ``sublayer ..`` still read, for the next layer: earlier
+        sublayers' entries dropped (None). Inside a compiled region the rest are made
+        contiguous too: a region's outputs are its graph's, and a graph that outputs a
+        strided slice of phase 1's ``[T, S, D]`` product gets back a contiguous gradient
+        that its backward copies into that layout first; an output nothing reads back
+        gets a gradient of zeros made for it."""
+        k = sublayer - self.first
+        compiling = torch.compiler.is_compiling()
+
+        def keep(results):
+            return tuple(
+                None if i < k else t.contiguous() if compiling else t for i, t in enumerate(results)
+            )
+
+        return replace(self, out1=keep(self.out1), lse=keep(self.lse))
+
 
 @dataclass(frozen=True)
 class DepthState:
@@ -249,14 +266,6 @@ class DepthState:
         if self.partial is not None:
             out.append(self.partial)
         return out
-
-    @property
-    def width(self) -> int:
-        return self.num_completed + int(self.partial is not None)
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        """The sources one by one (views of the store)."""
-        return tuple(self.sources())
 
     def parts(self) -> tuple[torch.Tensor, ...]:
         """The state as few tensors: the store, then the partial block if any."""

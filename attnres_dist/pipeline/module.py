@@ -130,7 +130,19 @@ def configure_local_layers(funcs, plan, recompute: str, recompute_interval: int)
     configure_segments(layers, plan, final=finals[0] if finals else None)
 
 
-class AttnResPipelineModule(PipelineModule):
+class SteadyMode:
+    """Module mixin: ``train(mode)`` sets the mode only where a submodule is not in it yet.
+    DeepSpeed's ``train_batch`` and ``eval_batch`` call ``train()`` / ``eval()`` every step;
+    torch's walks every submodule through ``nn.Module.__setattr__``, a host cost per step
+    that reading each submodule's mode mostly avoids."""
+
+    def train(self, mode: bool = True):
+        if all(m.training == mode for m in self.modules()):
+            return self
+        return super().train(mode)
+
+
+class AttnResPipelineModule(SteadyMode, PipelineModule):
     """PipelineModule with precomputed ``parts`` and the activation contract at stage edges."""
 
     def __init__(
@@ -197,7 +209,7 @@ class AttnResPipelineModule(PipelineModule):
         out = super().forward(forward_input)
         if not isinstance(out, DepthState):
             return out
-        sent = out.tensors() if self.payload == "tuple" else pack(out)
+        sent = tuple(out.sources()) if self.payload == "tuple" else pack(out)
         if self.carries_tokens:
             return (sent, out.layout.tokens)
         return sent

@@ -24,11 +24,11 @@ from deepspeed.pipe import PipelineModule
 from attnres_dist.model import dropout_streams
 from attnres_dist.model.depth_state import DepthState
 from attnres_dist.model.gpt import ModelBuilder
-from attnres_dist.pipeline.module import configure_local_layers, pipeline_module_args
+from attnres_dist.pipeline.module import SteadyMode, configure_local_layers, pipeline_module_args
 from attnres_dist.pipeline.virtual_layout import VirtualLayout
 
 
-class VirtualPipelineModule(PipelineModule):
+class VirtualPipelineModule(SteadyMode, PipelineModule):
     """All chunks of one pipeline rank; ``activate_phase`` picks the one ``forward`` runs."""
 
     def __init__(
