@@ -4,6 +4,11 @@
   own reduction never runs, and 3 steps of the bf16 engine (and of fp32 ZeRO-0) give
   bitwise the losses and parameters of an identical engine that runs DeepSpeed's reduction
   with fp32 communication; at dp = 2 and under fp32 ZeRO-1 the handler is DeepSpeed's.
+* DeepSpeed's bf16 optimizer bookkeeping (``pipeline/bf16_bookkeeping.py``) gives bitwise
+  DeepSpeed's own steps: losses, gradient norms and fp32 master weights over 4 steps, with the
+  clip taking effect and not, the last step skipped for a non-finite norm.
+* ``train()`` on a pipeline module in its mode already leaves every submodule as it is, and
+  still sets a submodule that was put in the other mode.
 * The trainer's losses are tensors until read: ``train_step`` returns a 0-d tensor.
 * Batches reach the device through ``to_device`` (pinned, queued copies on a GPU; the GPU test
   checks the copy neither waits for the device nor changes a value).
@@ -35,7 +40,7 @@ def launch():
     return init_distributed(ParallelDims(), seed=0, device="cpu")
 
 
-def _engine(launch, dtype: str):
+def _engine(launch, dtype: str, *extra: str):
     from attnres_dist.bench.host_bench import CONFIG, STEP, VOCAB
     from attnres_dist.config import load_config
     from attnres_dist.model.gpt import ModelBuilder
@@ -43,7 +48,7 @@ def _engine(launch, dtype: str):
     from attnres_dist.pipeline.engine import PipelineEngine
     from attnres_dist.runtime import select_runtime
 
-    words = [*SHAPE, *STEP, f"runtime.dtype={dtype}", "train.global_batch_size=2"]
+    words = [*SHAPE, *STEP, f"runtime.dtype={dtype}", "train.global_batch_size=2", *extra]
     cfg = load_config(CONFIG, words)
     runtime = select_runtime(cfg.runtime, cfg.model.attnres.impl)
     builder = ModelBuilder(cfg.model, VOCAB, seed=0, runtime=runtime)
@@ -82,6 +87,48 @@ def test_single_replica_skips_reduction_with_the_same_parameters(launch, dtype, 
         if skipping.sharded_state is not None:  # bf16: the fp32 master weights
             a, b = skipping.sharded_state.master(a), reducing.sharded_state.master(b)
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("clip", [0.05, 1e3])
+def test_bf16_bookkeeping_gives_deepspeeds_steps(launch, clip):
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    ours, theirs = (_engine(launch, "bf16", f"optim.grad_clip={clip}") for _ in range(2))
+    opt = theirs.engine.optimizer
+    assert isinstance(opt, BF16_Optimizer) and {"step", "update_hp_grads"} <= set(vars(opt))
+    del opt.step, opt.update_hp_grads  # DeepSpeed's own methods again
+    g = torch.Generator().manual_seed(0)
+    clipped = []
+    for step in range(4):
+        if step == 3:  # a non-finite gradient: DeepSpeed skips the step
+            for engine in (ours, theirs):
+                with torch.no_grad():
+                    next(engine.module.parameters()).view(-1)[0] = float("nan")
+        micro = [torch.randint(0, 257, (1, 9), generator=g) for _ in range(2)]
+        loss_ours, loss_theirs = ours.train_step(micro), theirs.train_step(micro)
+        assert torch.equal(loss_ours, loss_theirs) or step == 3
+        norm_ours, norm_theirs = ours.last_grad_norm, theirs.last_grad_norm
+        assert norm_ours == norm_theirs, (step, norm_ours, norm_theirs)
+        clipped.append(norm_ours > clip)
+    assert clipped == [clip < 1, clip < 1, clip < 1, True]  # the last: inf, skipped
+    pairs = zip(ours.checkpoint_params(), theirs.checkpoint_params(), strict=True)
+    for (name, a, _), (_, b, _) in pairs:
+        assert torch.equal(ours.sharded_state.master(a), theirs.sharded_state.master(b)), name
+
+
+def test_train_sets_only_what_differs():
+    from attnres_dist.pipeline.module import SteadyMode
+
+    class Module(SteadyMode, torch.nn.Sequential):
+        pass
+
+    module = Module(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
+    assert module.train() is module and all(m.training for m in module.modules())
+    module[1].eval()  # one submodule in the other mode: train() still reaches it
+    module.train()
+    assert all(m.training for m in module.modules())
+    module.eval()
+    assert not any(m.training for m in module.modules())
 
 
 def test_reduction_kept_where_it_does_something():

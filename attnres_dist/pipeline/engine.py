@@ -31,7 +31,13 @@ from attnres_dist.parallel.comm_device import comm_device
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import check_groups_agree
 from attnres_dist.parallel.tp_shards import gather_full
-from attnres_dist.pipeline import precision, virtual_engine, virtual_setup, watchdog
+from attnres_dist.pipeline import (
+    bf16_bookkeeping,
+    precision,
+    virtual_engine,
+    virtual_setup,
+    watchdog,
+)
 from attnres_dist.pipeline.module import AttnResPipelineModule
 from attnres_dist.pipeline.naming import canonical_name
 from attnres_dist.pipeline.partition import compute_parts
@@ -179,6 +185,8 @@ class PipelineEngine:
         # dp = 1: DeepSpeed's gradient all-reduce over one rank is a no-op (single_replica.py)
         zero1_fp32 = cfg.parallel.zero_stage == 1 and not self.runtime.bf16
         skip_single_replica_reduction(self.engine, dims.dp, zero1_fp32)
+        # the bf16 optimizer's per-parameter loops as multi-tensor ops (bf16_bookkeeping.py)
+        bf16_bookkeeping.install(self.engine.optimizer)
 
     def _owned(self, p: torch.nn.Parameter) -> bool:
         """False for the last stage's copy of the tied embedding (the first stage's counts; with

@@ -1,0 +1,155 @@
+"""DeepSpeed's bf16 optimizer bookkeeping as multi-tensor ops, on this engine's instance.
+
+Every step, DeepSpeed's ``BF16_Optimizer`` walks every parameter in Python three times, with
+an aten call or more per parameter each time: it adds each bf16 gradient into its fp32
+accumulator (``update_hp_grads``), lists the gradients its norm counts and takes one norm per
+gradient (``get_grads_for_norm``, ``get_global_norm_of_tensors``), then scales each gradient
+(``clip_tensors_by_global_norm``), after comparing the clip factor with 1 on the host. Where
+the GPU step is bound by the host, that is host time per parameter (about 0.07 ms each on the
+CPU proxy, ``bench/host_bench.py``), and the comparison makes the host wait for the device.
+
+``install`` replaces the two methods on the engine's optimizer instance (DeepSpeed itself is
+not patched) by ones doing the same arithmetic with torch's multi-tensor ops:
+
+* ``update_hp_grads``: one ``torch._foreach_add_`` of the bf16 gradients into fp32 views of the
+  accumulators shaped like the parameters (made once), bitwise the same sums;
+* ``step``: the norm over the gradients DeepSpeed's rule counts (tied copies marked
+  ``ds_pipe_replicated`` skipped, replicated parameters on tensor rank 0 only): which ones is
+  fixed by the model, so the list is made once. A parameter that got no gradient this step
+  is counted with its accumulator, which is zero, where DeepSpeed leaves it out: the same
+  sum. ``torch._foreach_norm``, then DeepSpeed's sum of squares over the model-parallel group.
+  The clip factor ``min(1, clip / (norm + 1e-6))`` multiplies the flat fp32 gradient buffers in one
+  ``torch._foreach_mul_`` without being read (a factor of exactly 1 changes no bit, so this is
+  DeepSpeed's clip). The rest of the step is DeepSpeed's, in its order.
+
+Kept as DeepSpeed has it: the step is skipped when the norm is not finite, which needs the
+norm on the host (on a GPU, one wait for the device per step).
+
+Not installed (DeepSpeed's own methods stay) with MoE layers, Muon, a gradient accumulation
+dtype other than fp32, or ``immediate_grad_update``, none of which this trainer configures.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+CLIP_EPS = 1e-6  # DeepSpeed's clip_tensors_by_global_norm
+
+
+def installable(optimizer) -> bool:
+    """Whether ``optimizer`` is a DeepSpeed ``BF16_Optimizer`` configured as this trainer does."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    return (
+        isinstance(optimizer, BF16_Optimizer)
+        and not optimizer.has_moe_layers
+        and not optimizer._uses_muon
+        and not optimizer.immediate_grad_update
+        and optimizer.grad_acc_dtype is torch.float32
+        and float(optimizer.norm_type) == 2.0
+    )
+
+
+def install(optimizer) -> bool:
+    """Replace ``update_hp_grads`` and ``step`` of ``optimizer`` (a DeepSpeed
+    ``BF16_Optimizer``) by the multi-tensor ones; False (nothing replaced) where
+    :func:`installable` says no."""
+    if not installable(optimizer):
+        return False
+    _Bookkeeping(optimizer)
+    return True
+
+
+class _Bookkeeping:
+    """The replaced methods and the lists they walk, bound to one optimizer."""
+
+    def __init__(self, opt):
+        self.opt = opt
+        # fp32 accumulator views shaped like the parameters, pairwise with opt.bf16_groups
+        self.accumulators = [
+            [hp.view(lp.shape) for lp, hp in zip(lps, hps, strict=True)]
+            for lps, hps in zip(opt.bf16_groups, opt.fp32_groups_gradients, strict=True)
+        ]
+        self.counted = self._counted_gradients()
+        opt.update_hp_grads = self.update_hp_grads
+        opt.step = self.step
+
+    def _counted_gradients(self) -> list[torch.Tensor]:
+        """The accumulators DeepSpeed's ``get_grads_for_norm`` lists (less its per-step test
+        of which got a gradient: the others are zero)."""
+        from deepspeed.runtime.utils import (
+            bwc_tensor_model_parallel_rank,
+            is_model_parallel_parameter,
+        )
+
+        tp_rank = bwc_tensor_model_parallel_rank(mpu=self.opt.mpu)
+        out = []
+        for lps, hps in zip(self.opt.bf16_groups, self.opt.fp32_groups_gradients, strict=True):
+            for lp, hp in zip(lps, hps, strict=True):
+                if getattr(lp, "ds_pipe_replicated", False):
+                    continue
+                if tp_rank == 0 or is_model_parallel_parameter(lp):
+                    out.append(hp)
+        return out
+
+    @torch.no_grad()
+    def update_hp_grads(self, clear_lp_grads: bool = False) -> None:
+        opt = self.opt
+        for i, lps in enumerate(opt.bf16_groups):
+            got = [j for j, lp in enumerate(lps) if lp.grad is not None]
+            if not got:
+                continue
+            grads = [lps[j].grad for j in got]
+            torch._foreach_add_([self.accumulators[i][j] for j in got], grads)
+            for j in got:
+                lps[j]._hp_grad = opt.fp32_groups_gradients[i][j]
+                opt.fp32_groups_has_gradients[i][j] = True
+            if clear_lp_grads:
+                torch._foreach_zero_(grads)
+
+    def global_norm(self) -> torch.Tensor:
+        """DeepSpeed's count-once L2 norm of the accumulated gradients (-1 where not finite)."""
+        from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
+
+        opt = self.opt
+        if self.counted:
+            norms = torch._foreach_norm(self.counted)
+            total = torch.stack(norms).pow(2.0).sum()
+        else:  # a rank may count nothing (only replicated parameters on tensor rank > 0)
+            flat = opt.fp32_groups_gradients_flat[0]
+            total = torch.zeros((), dtype=torch.float32, device=flat.device)
+        if opt.mpu is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=opt.mpu.get_model_parallel_group())
+        total = total.pow(0.5)
+        mask_nan_or_inf_with_val_inplace(total, device=total.device)
+        return total
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from deepspeed.runtime.utils import is_invalid_grad_norm
+
+        if closure is not None:
+            raise NotImplementedError(f"{type(self.opt).__name__} does not support closure.")
+        opt = self.opt
+        opt.overflow = False
+        norm = self.global_norm()
+        opt._global_grad_norm = norm
+        if is_invalid_grad_norm(norm):  # reads the norm: the one wait for the device
+            opt.overflow = True
+            opt._global_grad_norm = float("inf")
+            opt.clear_hp_grads()
+            opt.clear_lp_grads()
+            return
+        if opt.clip_grad > 0.0:
+            factor = (opt.clip_grad / (norm + CLIP_EPS)).clamp(max=1.0)
+            # the flat accumulators: every gradient, plus alignment padding that stays zero
+            torch._foreach_mul_(opt.fp32_groups_gradients_flat, factor)
+        for param, grad in zip(
+            opt.fp32_groups_flat_partition, opt.fp32_groups_gradient_flat_partition, strict=True
+        ):
+            param.grad = grad
+        opt.optimizer.step()
+        opt._lazy_init_hp_params_optimizer_state()
+        opt.update_lp_params()
+        opt.clear_hp_grads()
