@@ -34,6 +34,9 @@ def _train(args) -> int:
     from attnres_dist.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    from attnres_dist.train.metrics import skip_wandb_unless_used
+
+    skip_wandb_unless_used(cfg.output.wandb)  # before Megatron is imported
     from attnres_dist.parallel.process_groups import shutdown_distributed
     from attnres_dist.train.trainer import Trainer
 

@@ -1,4 +1,5 @@
-"""Training signals: the FLOPs formula against counted FLOPs, MFU, peak memory, W&B offline.
+"""Training signals: the FLOPs formula against counted FLOPs, MFU, peak memory, W&B offline, and
+wandb imported only by a run that logs to it.
 
 ``FlopCounterMode`` counts matrix products (mm, bmm, baddbmm) in forward and backward; the
 formula's matmul part must equal its count exactly. The depth attention is elementwise work in
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -136,3 +139,21 @@ def test_wandb_offline_run_gets_the_metrics(tmp_path, monkeypatch):
     assert b"train/peak_memory_mb_per_rank" not in logged  # lists stay in the JSONL
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines[0]["peak_memory_mb_per_rank"] == [1.0, 2.0]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed")
+@pytest.mark.parametrize("project", [None, "attnres"])
+def test_megatron_imports_wandb_only_for_a_run_that_logs_to_it(project):
+    """In a fresh process (this one has imported wandb): with no project, Megatron-Core's own
+    import of wandb finds it absent and Megatron runs without it; with one, it is imported."""
+    code = (
+        "import sys\n"
+        "from attnres_dist.train.metrics import skip_wandb_unless_used\n"
+        f"skip_wandb_unless_used({project!r})\n"
+        "from megatron.core.inference.contexts import dynamic_context\n"
+        "print(dynamic_context.HAVE_WANDB, sys.modules['wandb'] is None)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    ).stdout.split()
+    assert out == (["False", "True"] if project is None else ["True", "False"])

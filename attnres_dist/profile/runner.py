@@ -100,6 +100,9 @@ def main(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     opts = options_from_args(args)
+    from attnres_dist.train.metrics import skip_wandb_unless_used
+
+    skip_wandb_unless_used(cfg.output.wandb)  # before Megatron is imported
     from attnres_dist.parallel.process_groups import shutdown_distributed
     from attnres_dist.profile.report import key_table
 
