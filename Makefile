@@ -92,7 +92,7 @@ gpu-wheels: setup
 gpu-check:
 	bash launch/gpu_check.sh $(ARGS)
 
-# The GPU study (docs/results.md, "The GPU study"): the install steps, then baseline vs Block vs
+# The GPU study (docs/diagnostics.md, "On one lent GPU"): the install steps, then baseline vs Block vs
 # Full AttnRes sized to what is left of 530 s; study.tar.gz comes back beside gpu.md.
 gpu-study:
 	bash launch/gpu_check.sh --only study --budget-s 530 $(ARGS)

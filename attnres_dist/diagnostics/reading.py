@@ -122,7 +122,16 @@ def _cost_sentences(stats: list[dict], base: dict | None) -> list[str]:
     return out
 
 
-def reading(stats: list[dict]) -> list[str]:
+SHARED_MACHINE = (
+    "- Cost: not read from this study. Its runs shared the machine (with each other or with "
+    "other jobs), so their wall times measure that load, not AttnRes; `make bench` measures "
+    "what AttnRes costs, side by side in one process."
+)
+
+
+def reading(stats: list[dict], timed: bool = True) -> list[str]:
+    """The reading's sentences; ``timed``: the runs' wall times may be compared (False: they
+    shared the machine, and the cost sentences give way to ``SHARED_MACHINE``)."""
     base = next((s for s in stats if s["mode"] == "baseline"), None)
     lines = []
     if base and base["valid_mean"] is not None:
@@ -130,7 +139,7 @@ def reading(stats: list[dict]) -> list[str]:
     lines += _growth_sentences(stats, base)
     lines += _gradient_sentences(stats, base)
     lines += _routing_sentences(stats)
-    lines += _cost_sentences(stats, base)
+    lines += _cost_sentences(stats, base) if timed else [SHARED_MACHINE]
     lines += [
         "",
         "Scale matters for all of this: the paper's gains are measured on models of 100M+ "

@@ -101,8 +101,10 @@ def variant_stats(variant: R.Variant) -> dict:
     return stats
 
 
-def variant_table(all_stats: list[dict]) -> list[str]:
-    baseline = next((s for s in all_stats if s["mode"] == "baseline"), None)
+def variant_table(all_stats: list[dict], timed: bool = True) -> list[str]:
+    """One row per variant. *vs baseline* is the wall time against the baseline trained at the
+    same learning rate (rows' ``lr``, where a study swept it); "–" where the runs' wall times
+    may not be compared (``timed`` False: they shared the machine)."""
     lines = [
         "| variant | seeds | final validation loss | wall time (s) | vs baseline | tokens/s "
         "| measured / plain step (s) | instrumentation cost per measured step |",
@@ -111,7 +113,10 @@ def variant_table(all_stats: list[dict]) -> list[str]:
     for s in all_stats:
         loss = f"{_fmt(s['valid_mean'], 4)} ± {_fmt(s['valid_std'], 4)}" if s["valid_mean"] else "–"
         rel = None
-        if baseline and baseline["wall_mean"] and s["wall_mean"]:
+        baseline = next(
+            (b for b in all_stats if b["mode"] == "baseline" and b.get("lr") == s.get("lr")), None
+        )
+        if timed and baseline and baseline["wall_mean"] and s["wall_mean"]:
             rel = s["wall_mean"] / baseline["wall_mean"] - 1.0
         steps = f"{_fmt(s['measured_step_s'])} / {_fmt(s['unmeasured_step_s'])}"
         over = "–"

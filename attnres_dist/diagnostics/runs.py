@@ -9,6 +9,8 @@ steps in the last half of training, where single measurements are less noisy tha
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
 import warnings
@@ -184,8 +186,28 @@ def variant_label(config: dict) -> str:
     return attnres["mode"]
 
 
+def _with_defaults(config: dict, defaults: dict) -> dict:
+    """``config`` with every field it lacks at its default: a run saved before a field existed
+    ran as that field's default does, and groups with the runs saved after."""
+    out = dict(config)
+    for key, default in defaults.items():
+        if key not in out:
+            out[key] = default
+        elif isinstance(default, dict) and isinstance(out[key], dict):
+            out[key] = _with_defaults(out[key], default)
+    return out
+
+
+@functools.cache
+def _default_config() -> str:
+    """Every config field at its default, as JSON (built once)."""
+    from attnres_dist.config import load_config
+
+    return json.dumps(dataclasses.asdict(load_config(None, [])), default=str)
+
+
 def _variant_key(config: dict) -> str:
-    c = json.loads(json.dumps(config))
+    c = _with_defaults(json.loads(json.dumps(config)), json.loads(_default_config()))
     c["train"].pop("seed", None)
     c.get("output", {}).pop("run_dir", None)
     c.pop("checkpoint", None)  # where and how often a run saves does not change the variant

@@ -119,9 +119,11 @@ def parameter_count(run_dir: Path) -> int | None:
 def setup_lines(args, variants: list[R.Variant], total_s: float) -> list[str]:
     c = variants[0].config
     m, t, o = c["model"], c["train"], c["optim"]
-    params = ", ".join(
-        f"{v.label} {parameter_count(v.runs[0].path) or 0:,}" for v in variants if v.runs
-    )
+    counts = {}  # one count per architecture: the learning rate does not change it
+    for v in variants:
+        if v.runs:
+            counts.setdefault(R.variant_label(v.config), parameter_count(v.runs[0].path) or 0)
+    params = ", ".join(f"{label} {n:,}" for label, n in counts.items())
     tokens = t["steps"] * t["global_batch_size"] * m["seq_length"]
     lrs = getattr(args, "lrs", None)
     rate = f"lr swept over {', '.join(f'{lr:g}' for lr in lrs)}" if lrs else f"lr {o['lr']}"
@@ -166,7 +168,8 @@ def write_results(args, run_dirs: list[Path], total_s: float) -> Path:
     variants = R.group_runs([R.load_run(d) for d in run_dirs])
     lr_sweep.label_with_lr(variants)
     figures = plots.render_all(variants, figure_dir)
-    stats = [report.variant_stats(v) for v in variants]
+    stats = [{**report.variant_stats(v), "lr": lr_sweep.lr_of(v)} for v in variants]
+    timed = not getattr(args, "shared_machine", False)
     best = lr_sweep.best_per_architecture(variants, stats)
     swept = len(best) < len(stats)
     best_section = [
@@ -189,7 +192,7 @@ def write_results(args, run_dirs: list[Path], total_s: float) -> Path:
         *(best_section if swept else []),
         "## Results",
         "",
-        *report.variant_table(stats),
+        *report.variant_table(stats, timed),
         "",
         "*instrumentation cost*: median time spent inside the instrumentation on a measured "
         "step, as a share of a median plain step (and spread over the k steps it covers); then "
@@ -199,7 +202,7 @@ def write_results(args, run_dirs: list[Path], total_s: float) -> Path:
         "",
         "## Reading",
         "",
-        *reading(best if swept else stats),
+        *reading(best if swept else stats, timed),
         "",
         "## Depth statistics",
         "",
@@ -233,6 +236,12 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="2 variants x 1 seed x 20 steps")
     parser.add_argument(
         "--machine", default=None, help="the Machine line, for finished runs trained elsewhere"
+    )
+    parser.add_argument(
+        "--shared-machine",
+        action="store_true",
+        help="the runs shared the machine (with each other or other jobs): do not read their "
+        "wall times as AttnRes's cost",
     )
     parser.add_argument("overrides", nargs="*", help="dotted overrides for every run")
     args = parser.parse_args(argv)
