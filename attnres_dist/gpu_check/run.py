@@ -53,7 +53,7 @@ INSTALL = (
     Step("venv", 60, "virtualenv over the base environment's site-packages"),
     Step("requirements", 150, "docker/requirements.py's list from the carried wheels"),
     Step("project", 90, "the project with --no-deps, then check-config (as the Dockerfile)"),
-    Step("check_base", 60, "docker/check_base.py (expects an NGC base: TE and apex)"),
+    Step("check_base", 120, "docker/check_base.py (expects an NGC base: TE and apex)"),
     Step("bench_extras", 60, "fla-core and flash-attn-res from the wheels (outside kernels)"),
 )
 # The timed steps run alone; then the correctness tests (mostly Triton compiles, on the CPUs)

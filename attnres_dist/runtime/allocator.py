@@ -18,6 +18,12 @@ process's resident size stays at its high-water mark, which a trainer reaches ev
 anyway. This is what the tcmalloc / jemalloc preload commonly advised for torch on CPU does;
 here it needs no extra library and no launcher change. It applies to the whole process from
 the call on, and is not undone.
+
+Not guaranteed for every size: torch allocates with 64-byte alignment (``posix_memalign``,
+which asks glibc for a little more than the size). Where a small allocation was carved from
+the heap top right after a large tensor, that tensor's freed chunk cannot merge back into the
+top and is a few bytes short of the next request of its size, which then takes fresh pages
+(seen for a lone 64 MiB tensor in some fresh processes, ``tests/test_allocator.py``).
 """
 
 from __future__ import annotations
