@@ -6,7 +6,8 @@
   with fp32 communication; at dp = 2 and under fp32 ZeRO-1 the handler is DeepSpeed's.
 * DeepSpeed's bf16 optimizer bookkeeping (``pipeline/bf16_bookkeeping.py``) gives bitwise
   DeepSpeed's own steps: losses, gradient norms and fp32 master weights over 4 steps, with the
-  clip taking effect and not, the last step skipped for a non-finite norm.
+  clip taking effect and not, the last step skipped for a non-finite norm; and at pp = 2 x
+  tp = 2 (4 ranks) the norm summed over stages and tensor ranks and every rank's master weights.
 * ``train()`` on a pipeline module in its mode already leaves every submodule as it is, and
   still sets a submodule that was put in the other mode.
 * The trainer's losses are tensors until read: ``train_step`` returns a 0-d tensor.
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from attnres_dist.data.device_copy import to_device
+from tests.conftest import run_job
 
 SHAPE = (
     "model.num_layers=3",
@@ -114,6 +116,22 @@ def test_bf16_bookkeeping_gives_deepspeeds_steps(launch, clip):
     pairs = zip(ours.checkpoint_params(), theirs.checkpoint_params(), strict=True)
     for (name, a, _), (_, b, _) in pairs:
         assert torch.equal(ours.sharded_state.master(a), theirs.sharded_state.master(b)), name
+
+
+@pytest.mark.slow
+def test_bf16_bookkeeping_gives_deepspeeds_steps_across_stages_and_tensor_ranks():
+    """pp = 2 x tp = 2 (torchrun, 4 ranks; clip active): the norm DeepSpeed's rule counts once
+    (the last stage's tied embedding copy skipped, replicated parameters on tensor rank 0 only)
+    and sums over stages and tensor ranks, and every rank's master weights after 3 steps, are
+    bitwise DeepSpeed's own (``tests/workers/bf16_bookkeeping_case.py``)."""
+    words = [*SHAPE, "runtime.dtype=bf16", "model.attnres.mode=block", "model.num_layers=4"]
+    words += ["train.micro_batch_size=1", "train.global_batch_size=2", "optim.warmup_steps=1"]
+    proc = run_job(["tests/workers/bf16_bookkeeping_case.py", "2", "2", "0.05", *words], nproc=4)
+    done = [line.split() for line in proc.stdout.splitlines() if line.startswith("ok ")]
+    assert sorted(int(d[1]) for d in done) == [0, 1, 2, 3], proc.stdout
+    norms = {tuple(d[2:]) for d in done}
+    assert len(norms) == 1, norms  # every rank computed the same global norm
+    assert all(float(n) > 0.05 for n in norms.pop())  # the clip took effect each step
 
 
 def test_train_sets_only_what_differs():

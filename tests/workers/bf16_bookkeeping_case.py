@@ -1,0 +1,61 @@
+"""Two bf16 engines on the same ranks, one with this trainer's bookkeeping
+(``pipeline/bf16_bookkeeping.py``) and one with DeepSpeed's own ``BF16_Optimizer`` methods,
+stepped on the same batches; every rank checks that they stay bitwise equal.
+
+    torchrun --nproc_per_node=N tests/workers/bf16_bookkeeping_case.py PP TP CLIP key=value ...
+
+Checked each step: the loss and the gradient norm before clipping (DeepSpeed's count-once
+norm, summed over the model-parallel group: stages and tensor ranks); after the last step,
+the fp32 master weight of every parameter this rank holds. Prints ``ok <rank> <norms>``.
+"""
+
+import sys
+
+import torch
+
+
+def main() -> None:
+    from attnres_dist.config import load_config
+    from attnres_dist.model.gpt import ModelBuilder
+    from attnres_dist.parallel.dims import ParallelDims
+    from attnres_dist.parallel.process_groups import init_distributed, shutdown_distributed
+    from attnres_dist.pipeline.engine import PipelineEngine
+    from attnres_dist.runtime import select_runtime
+
+    pp, tp, clip = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    words = [f"parallel.pp={pp}", f"parallel.tp={tp}", f"optim.grad_clip={clip}", *sys.argv[4:]]
+    cfg = load_config(None, words)
+    dims = ParallelDims(pp=pp, tp=tp)
+    launch = init_distributed(dims, seed=0, device="cpu")
+    runtime = select_runtime(cfg.runtime, cfg.model.attnres.impl)
+
+    def engine():
+        builder = ModelBuilder(cfg.model, 257, seed=0, runtime=runtime)
+        return PipelineEngine(cfg, builder, dims, launch)
+
+    ours, theirs = engine(), engine()
+    opt = theirs.engine.optimizer
+    assert {"step", "update_hp_grads"} <= set(vars(opt)), "the bookkeeping was not installed"
+    del opt.step, opt.update_hp_grads  # DeepSpeed's own methods again
+    g = torch.Generator().manual_seed(0)
+    seq, micro = cfg.model.seq_length, cfg.train.global_batch_size // cfg.train.micro_batch_size
+    norms = []
+    for step in range(3):
+        batch = [
+            torch.randint(0, 257, (cfg.train.micro_batch_size, seq + 1), generator=g)
+            for _ in range(micro)
+        ]
+        a, b = ours.train_step(batch), theirs.train_step(batch)
+        assert torch.equal(a, b), (step, a, b)
+        norm_ours, norm_theirs = ours.last_grad_norm, theirs.last_grad_norm
+        assert norm_ours == norm_theirs, (step, norm_ours, norm_theirs)
+        norms.append(norm_ours)
+    pairs = zip(ours.checkpoint_params(), theirs.checkpoint_params(), strict=True)
+    for (name, p, _), (_, q, _) in pairs:
+        assert torch.equal(ours.sharded_state.master(p), theirs.sharded_state.master(q)), name
+    print("ok", launch.rank, " ".join(f"{n:.6g}" for n in norms), flush=True)
+    shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main()
