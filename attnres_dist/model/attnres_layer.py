@@ -173,8 +173,9 @@ class AttnResLayer(torch.nn.Module):
             raise RuntimeError(
                 f"layer {self.layer_index} got a depth state after {state.layers_done} layers"
             )
-        ref = state.partial if state.store is None else state.store[0]
-        ctx = sequence_context(self.layer.config, ref, self.rotary_base, self.rope_scaling_factor)
+        like, seq_dim = (state.partial, 0) if state.store is None else (state.store, 1)
+        config = self.layer.config
+        ctx = sequence_context(config, like, self.rotary_base, self.rope_scaling_factor, seq_dim)
         ctx = with_layout(ctx, state.layout)
         with dropout_streams.layer_streams(self.layer_index, self.training and self.uses_dropout):
             state = self._region(state, ctx)

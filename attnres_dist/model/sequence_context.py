@@ -42,12 +42,19 @@ def with_layout(ctx: SequenceContext, layout) -> SequenceContext:
 
 
 def sequence_context(
-    config, like: torch.Tensor, rotary_base: int, rope_scaling_factor: float | None = None
+    config,
+    like: torch.Tensor,
+    rotary_base: int,
+    rope_scaling_factor: float | None = None,
+    seq_dim: int = 0,
 ) -> SequenceContext:
-    """Context for hidden states shaped like ``like`` ([s, b, h], Megatron's layout);
+    """Context for hidden states shaped like ``like`` ([s, b, h], Megatron's layout; or any
+    tensor with the sequence in dimension ``seq_dim``, such as a depth store ``[c, s, b, h]``
+    with ``seq_dim=1``, read without taking a view of one of its rows);
     ``rope_scaling_factor``: Llama 3's RoPE scaling (Megatron's), None = plain RoPE."""
     kv_channels = config.kv_channels or config.hidden_size // config.num_attention_heads
-    return _cached(like.shape[0], kv_channels, rotary_base, rope_scaling_factor, str(like.device))
+    seq_len = like.shape[seq_dim]
+    return _cached(seq_len, kv_channels, rotary_base, rope_scaling_factor, str(like.device))
 
 
 @lru_cache(maxsize=16)
