@@ -44,6 +44,18 @@ def _key_stats(flat: Tensor, eps: float) -> Tensor:
     return torch.linalg.vector_norm(flat, dim=-1).square_().mul_(1.0 / dim).add_(eps).rsqrt_()
 
 
+def _matmul(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for ``[..., M, K] x [..., K, N]``. Traced by the compiler, written as a
+    broadcast product summed over ``K``: every product here has a side of S or n (a few
+    queries or blocks), so it is bound by the bytes it reads, and inductor fuses the sum
+    with the elementwise work around it into its own kernel instead of calling a separate
+    matmul (one launch and one host call fewer each: 45 a Block step at 12 layers). Eager,
+    the matmul: the broadcast product would be materialised."""
+    if torch.compiler.is_compiling():
+        return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
+    return torch.matmul(a, b)
+
+
 def check_phase1(blocks: Tensor, queries: Tensor, norm_weights: Tensor) -> None:
     if not isinstance(blocks, Tensor) or blocks.dim() < 2 or blocks.shape[0] < 1:
         got = tuple(blocks.shape) if isinstance(blocks, Tensor) else type(blocks).__name__
@@ -84,14 +96,14 @@ class _Phase1(torch.autograd.Function):
         u = norm_weights.to(dtype) * queries.to(dtype)  # [S, D]
         flat = b.reshape(n * tokens, dim)
         rstd = _key_stats(flat, eps)  # [n * T]
-        logits = torch.mm(flat, u.t()).mul_(rstd.unsqueeze(1)).view(n, tokens, s)
+        logits = _matmul(flat, u.t()).mul_(rstd.unsqueeze(1)).view(n, tokens, s)
         p = torch.softmax(logits, dim=0)  # [n, T, S]
         # lse = max - log(max p): the largest weight is 1 / sum exp(logit - max), so this is
         # logsumexp in three small ops where torch's logsumexp takes nine
         lse = torch.amax(logits, dim=0).sub_(torch.amax(p, dim=0).log_())  # [T, S]
         # out1[t] = p[:, t, :]^T @ b[:, t, :]: one batched matmul over tokens, written
         # token-major; out1 is returned as its [S, T, D] view (no transposing copy).
-        out1 = torch.bmm(p.permute(1, 2, 0), b.transpose(0, 1)).transpose(0, 1)  # [S, T, D]
+        out1 = _matmul(p.permute(1, 2, 0), b.transpose(0, 1)).transpose(0, 1)  # [S, T, D]
         lse = lse.t()  # [S, T] view
         # the logits ([n, T, S], S / D of the blocks' size) are kept: the backward then needs
         # one batched product with the blocks instead of two, and no log-sum-exp
@@ -116,7 +128,7 @@ class _Phase1(torch.autograd.Function):
             d_logit = grad_lse.reshape(s, tokens).to(dtype).t().unsqueeze(0) * p
         else:
             g_t = grad_out1.reshape(s, tokens, dim).to(dtype).transpose(0, 1)  # [T, S, D]
-            d_p = torch.bmm(b.transpose(0, 1), g_t.transpose(1, 2)).transpose(0, 1)  # [n, T, S]
+            d_p = _matmul(b.transpose(0, 1), g_t.transpose(1, 2)).transpose(0, 1)  # [n, T, S]
             d_logit = d_p - (p * d_p).sum(dim=0, keepdim=True)
             if grad_lse is not None:
                 d_logit += grad_lse.reshape(s, tokens).to(dtype).t().unsqueeze(0)
@@ -132,14 +144,18 @@ class _Phase1(torch.autograd.Function):
                 gb = b * coef
             else:
                 # the token-major product, made block-major by the add that follows it
-                mix = torch.bmm(p.transpose(0, 1), g_t).transpose(0, 1)  # [n, T, D] view
+                mix = _matmul(p.transpose(0, 1), g_t).transpose(0, 1)  # [n, T, D] view
                 # (traced, the out= tensor's strides are the compiler's: the plain sum)
                 out = None if torch.compiler.is_compiling() else torch.empty_like(b)
                 gb = torch.addcmul(mix, b, coef, out=out)
-            flat = gb.reshape(n * tokens, dim).addmm_(d_raw.reshape(n * tokens, s), u)
+            flat = gb.reshape(n * tokens, dim)
+            if torch.compiler.is_compiling():
+                flat = flat + _matmul(d_raw.reshape(n * tokens, s), u)
+            else:
+                flat.addmm_(d_raw.reshape(n * tokens, s), u)
             grad_b = flat.to(blocks.dtype).view(blocks.shape)
         if need_q or need_g:
-            du = torch.mm(d_raw.reshape(n * tokens, s).t(), b.reshape(n * tokens, dim))  # [S, D]
+            du = _matmul(d_raw.reshape(n * tokens, s).t(), b.reshape(n * tokens, dim))  # [S, D]
             if need_q:
                 grad_q = (du * norm_weights.to(dtype)).to(queries.dtype)
             if need_g:
