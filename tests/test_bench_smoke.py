@@ -240,8 +240,9 @@ def test_precision_bench_smoke(small_dataset, tmp_path):
 
 
 def test_compile_bench_smoke(tmp_path):
-    """Every layer one graph, no break, one compile per layer and no recompile; the counts
-    and the summary rows exist for each mode (aot_eager: no code generation)."""
+    """Every layer and the final aggregation one graph each, no break, one compile each and
+    no recompile; the counts and the summary rows exist for each mode (aot_eager: no code
+    generation)."""
     from attnres_dist.bench import compile_bench
 
     shape = ("model.num_layers=2", "model.hidden_size=32")
@@ -249,8 +250,8 @@ def test_compile_bench_smoke(tmp_path):
     assert (tmp_path / "compile.json").exists()
     assert set(result["modes"]) == {"baseline", "block", "full"}
     for m in result["modes"].values():
-        assert (m["graphs"], m["graph_breaks"]) == (2, 0)
-        assert (m["compiled_graphs"], m["recompiles"]) == (2, 0)
+        assert (m["graphs"], m["graph_breaks"]) == (3, 0)  # 2 layers, the final aggregation
+        assert (m["compiled_graphs"], m["recompiles"]) == (3, 0)
         assert m["aten_ops"]["eager"] > 0 and m["aten_ops"]["compiled"] > 0
     rows = compile_bench.markdown_rows(result)
     assert len(rows) == 3 and rows[1].startswith("| compiled step time / eager, block |")

@@ -1,11 +1,13 @@
 """Compiled layers (``runtime.compile: layer``): whole graphs, counted recompiles, same numbers.
 
 * Every transformer layer's region (``AttnResLayer.sublayers``: the depth mixing, Megatron's
-  submodules, RoPE and the hidden dropout) traces as ONE graph with no break, in each residual
-  mode (TorchDynamo's ``explain``), and compiles forward and backward with ``fullgraph=True``
-  (the ``aot_eager`` backend: the trace and the autograd graphs, without code generation).
-* Recompiles: one graph per layer in the first training step (each layer's block structure is
-  its own), none in the second.
+  submodules, RoPE and the hidden dropout) and the final aggregation's
+  (``FinalAggregation.aggregate``: the last mix and the final norm) trace as ONE graph each with
+  no break, in each residual mode (TorchDynamo's ``explain``), and compile forward and
+  backward with ``fullgraph=True`` (the ``aot_eager`` backend: the trace and the autograd
+  graphs, without code generation).
+* Recompiles: one graph per layer (each layer's block structure is its own) and one for the
+  final aggregation in the first training step, none in the second.
 * Same numbers: the loss and every parameter's gradient of a compiled model (inductor's CPU
   backend) equal the eager model's with the same weights and ops within 1e-5 (fp32), for the
   baseline, Block with an uneven last block and Full, hidden and attention dropout 0.1 on (both
@@ -32,7 +34,7 @@ from attnres_dist.checkpoint import store
 from attnres_dist.config import load_config
 from attnres_dist.errors import ConfigError
 from attnres_dist.model import dropout_streams
-from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
+from attnres_dist.model.gpt import AttnResGPT, ModelBuilder, compile_regions
 from attnres_dist.model.sequence_context import sequence_context
 from attnres_dist.ops import cpu_rms_norm
 from attnres_dist.parallel.dims import ParallelDims
@@ -135,6 +137,10 @@ def test_every_layer_traces_as_one_graph(mode, block_size):
         reasons = [b.reason for b in explained.break_reasons]
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), reasons
         state = layer(state)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model.final.aggregate)(state)  # the final aggregation
+    reasons = [b.reason for b in explained.break_reasons]
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), reasons
 
 
 @pytest.mark.parametrize(("mode", "block_size"), MODES)
@@ -144,8 +150,7 @@ def test_fullgraph_forward_and_backward(mode, block_size):
     eager = build(mode, block_size)
     compiled = build(mode, block_size)
     torch._dynamo.reset()
-    for layer in compiled.layers:
-        layer.compile_region("aot_eager")
+    compile_regions(compiled, "aot_eager")
     assert_same_numbers(compiled, eager)
     with torch.no_grad():  # evaluation: another graph per layer (no grad, no dropout)
         evaluated = compiled.eval().loss(window(1))
@@ -159,8 +164,7 @@ def test_full_recompute_around_compiled_layers():
     compiled = build("block", 4, **extra)
     eager = build("block", 4)
     torch._dynamo.reset()
-    for layer in compiled.layers:
-        layer.compile_region("aot_eager")
+    compile_regions(compiled, "aot_eager")
     assert_same_numbers(compiled, eager)
 
 
@@ -179,9 +183,8 @@ def test_attnres_recompute_inside_compiled_layers(mode, block_size):
     graphs = torch._dynamo.explain(first.sublayers)(state, ctx).graphs
     assert "tag_activation_checkpoint" in graphs[0].code  # the checkpoint is in the graph
     torch._dynamo.reset()
-    for layer in compiled.layers:
-        assert layer.recompute == "attnres"
-        layer.compile_region("aot_eager")
+    assert all(layer.recompute == "attnres" for layer in compiled.layers)
+    compile_regions(compiled, "aot_eager")
     assert_same_numbers(compiled, eager)
 
 
@@ -203,23 +206,21 @@ def test_c_rms_norm_stays_in_the_graph():
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
     assert "attnres.rms_norm" in explained.graphs[0].code
     torch._dynamo.reset()
-    for layer in compiled.layers:
-        layer.compile_region("aot_eager")
+    compile_regions(compiled, "aot_eager")
     assert_same_numbers(compiled, eager)
 
 
 def test_recompiles_once_per_layer():
-    """The first step compiles one graph per layer; a second step and a second micro-batch
-    compile nothing more."""
+    """The first step compiles one graph per layer and one for the final aggregation; a
+    second step and a second micro-batch compile nothing more."""
     model = build("block", 4)
     torch._dynamo.reset()
-    for layer in model.layers:
-        layer.compile_region("aot_eager")
+    compile_regions(model, "aot_eager")
     counters = torch._dynamo.utils.counters
     counters.clear()
     loss_and_grads(model, steps=2)
     first = counters["stats"]["unique_graphs"]
-    assert first == len(model.layers)
+    assert first == len(model.layers) + 1  # and the final aggregation
     loss_and_grads(model, steps=2)
     assert counters["stats"]["unique_graphs"] == first
 

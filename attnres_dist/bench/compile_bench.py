@@ -5,9 +5,9 @@ For each mode (baseline, Block, Full) at one shape, with the ops a compiled laye
 torch two-phase depth attention, torch's RMSNorm, SDPA), in one process:
 
 * ``graphs`` and ``graph_breaks``: TorchDynamo's ``explain`` of every layer's region
-  (``AttnResLayer.sublayers``), summed over the layers (a whole model: one graph per layer, no
-  break);
-* ``compiled_graphs``: graphs compiled in the first training step (one per layer), and
+  (``AttnResLayer.sublayers``) and the final aggregation's (``FinalAggregation.aggregate``),
+  summed (a whole model: one graph per layer and one more, no break);
+* ``compiled_graphs``: graphs compiled in the first training step (one per region), and
   ``recompiles``: graphs compiled by the steps after it (0: every guard held);
 * ``compile_s``: the first compiled step's time less a steady compiled step's (the cost of
   compiling every layer with the chosen backend), beside ``eager_step_ms`` and
@@ -82,27 +82,33 @@ def top_level_aten_calls(fn) -> int:
 
 
 def _explain(model, window) -> tuple[int, int]:
-    """(graphs, breaks) of every layer's region, summed."""
+    """(graphs, breaks) of every layer's region and the final aggregation's, summed."""
     import torch._dynamo
 
     from attnres_dist.model.sequence_context import sequence_context
 
-    graphs = breaks = 0
+    def explain(fn, *args):
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(fn)(*args)
+        return explained.graph_count, explained.graph_break_count
+
+    counts = []
     with torch.no_grad():
         state = model.embedding(window[:, :-1])
         for layer in model.layers:
-            ref = state.partial if state.store is None else state.store[0]
-            ctx = sequence_context(layer.layer.config, ref, layer.rotary_base)
-            torch._dynamo.reset()
-            explained = torch._dynamo.explain(layer.sublayers)(state, ctx)
-            graphs += explained.graph_count
-            breaks += explained.graph_break_count
+            like, seq_dim = (state.partial, 0) if state.store is None else (state.store, 1)
+            ctx = sequence_context(layer.layer.config, like, layer.rotary_base, seq_dim=seq_dim)
+            counts.append(explain(layer.sublayers, state, ctx))
             state = layer(state)
+        counts.append(explain(model.final.aggregate, state))
+    graphs, breaks = (sum(c) for c in zip(*counts, strict=True))
     return graphs, breaks
 
 
 def measure_mode(overrides: list[str], window, backend: str, steps: int) -> dict:
     import torch._dynamo
+
+    from attnres_dist.model.gpt import compile_regions
 
     eager = _model(overrides)
     graphs, breaks = _explain(eager, window)
@@ -110,8 +116,7 @@ def measure_mode(overrides: list[str], window, backend: str, steps: int) -> dict
     compiled = _model(overrides)
     compiled.load_state_dict(eager.state_dict())
     torch._dynamo.reset()
-    for layer in compiled.layers:
-        layer.compile_region(backend)
+    compile_regions(compiled, backend)
     counters = torch._dynamo.utils.counters
     counters.clear()
     first = _step(compiled, window)

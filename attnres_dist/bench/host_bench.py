@@ -86,8 +86,7 @@ def _config(mode: str, compiled: bool, shape: tuple[str, ...]):
 
 def engine_step(mode: str, compiled: bool, backend: str, shape: tuple[str, ...], launch):
     """(step function, window) of our bf16 engine at pp = 1 for ``mode``."""
-    from attnres_dist.model.attnres_layer import AttnResLayer
-    from attnres_dist.model.gpt import ModelBuilder
+    from attnres_dist.model.gpt import ModelBuilder, compile_regions
     from attnres_dist.parallel.dims import ParallelDims
     from attnres_dist.pipeline.engine import PipelineEngine
     from attnres_dist.runtime import select_runtime
@@ -97,9 +96,7 @@ def engine_step(mode: str, compiled: bool, backend: str, shape: tuple[str, ...],
     builder = ModelBuilder(cfg.model, VOCAB, seed=0, runtime=runtime)
     engine = PipelineEngine(cfg, builder, ParallelDims(), launch)
     if compiled and backend != "inductor":  # before the first step: nothing compiled yet
-        for layer in engine.module.modules():
-            if isinstance(layer, AttnResLayer):
-                layer.compile_region(backend)
+        compile_regions(engine.module, backend)
     return lambda window: engine.train_step([window])
 
 

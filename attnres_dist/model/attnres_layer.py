@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from attnres_dist.config.block_plan import BlockPlan
-from attnres_dist.model import dropout_streams
+from attnres_dist.model import compiled_region, dropout_streams
 from attnres_dist.model.depth_mixing import DepthMixer, configure_segments, merge_inputs
 from attnres_dist.model.depth_state import DepthState
 from attnres_dist.model.recompute import checkpoint
@@ -77,34 +77,11 @@ class AttnResLayer(torch.nn.Module):
         self._region = self.sublayers  # the compiled region (``compile_region``) or itself
 
     def compile_region(self, backend: str = "inductor", cuda_graphs: bool = False) -> None:
-        """Run :meth:`sublayers` as one ``torch.compile`` graph (``fullgraph``: a graph break
-        is an error, never a silent split); the sequence context and the dropout streams'
-        seeding stay outside, as its inputs.
-
-        Static shapes: each layer is its own graph anyway (its block structure is Python
-        control flow), so dynamic shapes would only add guards. Every layer's region shares
-        one code object, whose cache then holds an entry per layer and mode (train, eval): the
-        recompile limit is raised to that. Inductor draws dropout masks from torch's generator
-        as eager does (``fallback_random``), so the layout-independent streams
-        (``model/dropout_streams.py``) and the eager reference see the same masks.
-
-        ``cuda_graphs``: inductor's ``triton.cudagraphs`` (what mode ``reduce-overhead`` sets;
-        a mode and options cannot be given together): each region's forward and backward
-        replay as CUDA graph trees, which share one memory pool, keep a graph per live-tensor
-        path (several micro-batches in flight, recompute) and read dropout's Philox seed and
-        offset from the generator at replay, so re-seeding the streams before a replay holds.
-        The engines mark each step's start (``torch.compiler.cudagraph_mark_step_begin``)."""
-        import torch._dynamo
-
-        entries = 2 * self.plan.num_layers + 8  # train and eval per layer, and a margin
-        config = torch._dynamo.config
-        config.recompile_limit = max(config.recompile_limit, entries)
-        options = {"fallback_random": True} if backend == "inductor" else None
-        if cuda_graphs:
-            options = {**(options or {}), "triton.cudagraphs": True}
+        """Run :meth:`sublayers` as one compiled region (``model/compiled_region.py``); the
+        sequence context and the dropout streams' seeding stay outside, as its inputs."""
         _synchronous_input_grad_reduce(self.layer)
-        self._region = torch.compile(
-            self.sublayers, backend=backend, fullgraph=True, dynamic=False, options=options
+        self._region = compiled_region.compile_region(
+            self.sublayers, self.plan.num_layers, backend, cuda_graphs
         )
 
     def sublayer_norms(self) -> list:

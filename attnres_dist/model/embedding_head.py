@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from attnres_dist.config.block_plan import BlockPlan
-from attnres_dist.model import dropout_streams
+from attnres_dist.model import compiled_region, dropout_streams
 from attnres_dist.model.depth_mixing import DepthMixer, merge_inputs
 from attnres_dist.model.depth_state import DepthState
 from attnres_dist.model.document_masks import DocumentOptions, document_layout
@@ -100,6 +100,13 @@ class FinalAggregation(torch.nn.Module):
         if plan.mode != "baseline":
             self.mixer = DepthMixer(config.hidden_size, impl)
         self.final_norm = _final_norm(config)
+        self._region = self.aggregate  # the compiled region (``compile_region``) or itself
+
+    def compile_region(self, backend: str = "inductor", cuda_graphs: bool = False) -> None:
+        """Run :meth:`aggregate` as one compiled region (``model/compiled_region.py``)."""
+        self._region = compiled_region.compile_region(
+            self.aggregate, self.plan.num_layers, backend, cuda_graphs
+        )
 
     def forward(self, state: DepthState) -> torch.Tensor:
         if state.layers_done != self.plan.num_layers:
@@ -107,20 +114,29 @@ class FinalAggregation(torch.nn.Module):
                 f"final aggregation got a state after {state.layers_done} of "
                 f"{self.plan.num_layers} layers"
             )
-        merge = self._phase2_inputs(state)
-        if merge is not None and self.probe is None:
-            return self.mixer.merge_norm(self.final_norm, *merge)
-        if merge is not None:
-            hidden = self.mixer.merge(*merge)
-        elif self.plan.mode == "baseline":
-            hidden = state.partial
-        elif self.mixer.two_phase:
-            hidden = self.mixer.attend_store(state)
-        else:
-            hidden = self.mixer(state.sources())
-        if self.probe is not None:
-            self.probe.final(self, state, hidden)
+        if self.probe is None:
+            return self._region(state)
+        hidden = self._mix(state)  # a measured micro-batch: eager, the mix seen unnormed
+        self.probe.final(self, state, hidden)
         return self.final_norm(hidden)
+
+    def aggregate(self, state: DepthState) -> torch.Tensor:
+        """The final mix and norm (one fused merge and norm where the implementation has
+        one): the region ``compile_region`` compiles."""
+        merge = self._phase2_inputs(state)
+        if merge is not None:
+            return self.mixer.merge_norm(self.final_norm, *merge)
+        return self.final_norm(self._mix(state))
+
+    def _mix(self, state: DepthState) -> torch.Tensor:
+        merge = self._phase2_inputs(state)
+        if merge is not None:
+            return self.mixer.merge(*merge)
+        if self.plan.mode == "baseline":
+            return state.partial
+        if self.mixer.two_phase:
+            return self.mixer.attend_store(state)
+        return self.mixer(state.sources())
 
     def _phase2_inputs(self, state: DepthState):
         """``merge``'s arguments from the last segment's phase 1, or None where it did not run

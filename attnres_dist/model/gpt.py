@@ -105,11 +105,7 @@ class ModelBuilder:
             )
         if self.model.attnres.source_scaled_eps and self.plan.mode != "baseline":
             scale_norm_eps(part.sublayer_norms(), self.plan, 2 * index + 1)
-        if self.runtime.compiled:  # after the norms are final: a graph reads their epsilon
-            backend = self.runtime.compile_backend
-            part.compile_region(
-                backend.value if backend else "inductor", cuda_graphs=self.runtime.graphed
-            )
+        self._compile(part)
         return part
 
     def final(self) -> FinalAggregation:
@@ -120,12 +116,30 @@ class ModelBuilder:
             part.final_norm = norm
         if self.model.attnres.source_scaled_eps and self.plan.mode != "baseline":
             scale_norm_eps([part.final_norm], self.plan, None)
+        self._compile(part)
         return part
+
+    def _compile(self, part) -> None:
+        """A layer or the final aggregation as one compiled region, where the runtime says so
+        (after its norms are final: a graph reads their epsilon)."""
+        if self.runtime.compiled:
+            backend = self.runtime.compile_backend
+            part.compile_region(
+                backend.value if backend else "inductor", cuda_graphs=self.runtime.graphed
+            )
 
     def output(self) -> OutputLayer:
         with seeded(self.seed, "output"):
             part = OutputLayer(self.config, self.vocab_size)
         return part
+
+
+def compile_regions(module: torch.nn.Module, backend: str = "inductor") -> None:
+    """Every transformer layer and the final aggregation inside ``module`` as one compiled
+    region each, as ``runtime.compile: layer`` builds them (here with any backend)."""
+    for part in module.modules():
+        if isinstance(part, (AttnResLayer, FinalAggregation)):
+            part.compile_region(backend)
 
 
 def scale_norm_eps(norms: list, plan: BlockPlan, first_sublayer: int | None) -> None:
