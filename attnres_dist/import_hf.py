@@ -109,10 +109,11 @@ def imported_state(source, cfg) -> tuple[dict, int]:
                         f"{list(param.shape)}",
                     )
                 state[name] = value.to(torch.float32).contiguous()
-            elif name.endswith(".query"):  # uniform depth attention: the mean of the sources
-                state[name] = torch.zeros(param.shape)
-            elif name.endswith(".key_norm_weight"):
-                state[name] = torch.ones(param.shape)
+            elif name.endswith(".mixer_weights"):
+                # zero queries (uniform depth attention: the mean of the sources), unit gains
+                uniform = torch.zeros(param.shape)  # [mixers, (query, key gain), D]
+                uniform[:, 1] = 1.0
+                state[name] = uniform
             else:
                 raise UserError(str(source.directory), f"has no weight for {name}")
     if weights:

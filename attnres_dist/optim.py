@@ -2,7 +2,8 @@
 
 AdamW from ``torch.optim`` (DeepSpeed's config-declared Adam JIT-builds a fused op and Megatron's
 optimizer is CUDA-bound; DESIGN.md section 4), with weight decay on matrices only: norms' gains
-and the depth-attention queries are vectors and are not decayed. torch's AdamW runs its fused
+and the depth-attention queries and key gains (vectors, packed per layer into one tensor marked
+``no_weight_decay``) are not decayed. torch's AdamW runs its fused
 kernel (``fused=True``, CPU and CUDA): one call updates every parameter of a group, where the
 default per-parameter loop pays a dozen small ops per tensor (a model with depth attention has
 two small vectors per sublayer). Linear warm-up then cosine
@@ -34,7 +35,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for _, param in sorted(model.named_parameters(), key=lambda item: item[0]):
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
+            exempt = param.ndim < 2 or getattr(param, "no_weight_decay", False)
+            (no_decay if exempt else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})

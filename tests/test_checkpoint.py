@@ -131,6 +131,64 @@ def test_exact_resume_same_layout_with_dropout(small_dataset, tmp_path):
         assert torch.equal(ours[key], value), key
 
 
+def unpacked_copy(ckpt, root) -> str:
+    """``ckpt`` rewritten under ``root`` as checkpoints were before the depth mixers were
+    packed: each ``mixer_weights`` row a pair of ``<mixer>.query`` and
+    ``<mixer>.key_norm_weight`` (the layers' ``attn_mixer``, ``mlp_mixer``; the final
+    aggregation's ``mixer``), for the parameter and each AdamW state entry."""
+    import safetensors.torch
+
+    tmp = store.begin(root, ckpt.step)
+    files = {}
+    for name, info in ckpt.manifest["files"].items():
+        data = (ckpt.path / name).read_bytes()
+        if "tensors" in info:
+            tensors = {}
+            for key, value in safetensors.torch.load(data).items():
+                if not key.endswith(".mixer_weights"):
+                    tensors[key] = value
+                    continue
+                head = key[: -len("mixer_weights")]
+                mixers = ["mixer"] if head.endswith("final.") else ["attn_mixer", "mlp_mixer"]
+                for row, mixer in enumerate(mixers):
+                    for column, part in enumerate(("query", "key_norm_weight")):
+                        whole = value.dim() == 0  # AdamW's step count
+                        tensors[f"{head}{mixer}.{part}"] = (
+                            value if whole else value[row, column]
+                        ).clone()
+            data = safetensors.torch.save({k: v.contiguous() for k, v in tensors.items()})
+        files[name] = store.write_bytes(tmp / name, data)
+        if "tensors" in info:
+            files[name]["tensors"] = {k: list(v.shape) for k, v in tensors.items()}
+    body = {k: v for k, v in ckpt.manifest.items() if k not in ("format", "step", "files")}
+    body.pop("checksum", None)
+    return str(store.commit(root, ckpt.step, files, body))
+
+
+def test_resume_from_a_checkpoint_with_unpacked_mixers(small_dataset, tmp_path):
+    """A checkpoint written with four parameters per layer for the depth mixers (and two for
+    the final aggregation's) resumes bitwise as the packed checkpoint it was rewritten from,
+    optimizer state included; exporting reads it too."""
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "resumed"
+    ref = train(ref_dir, args_for(small_dataset, ref_dir), 1)
+    packed = store.resolve(ref_dir / "checkpoints" / store.step_name(RESUME_AT), print)
+    start = unpacked_copy(packed, tmp_path / "old")
+    old = store.resolve(start, print)
+    assert "model/layers.0.attn_mixer.query" in old.tensor_index()
+    assert "optim/exp_avg/final.mixer.key_norm_weight" in old.tensor_index()
+    assert "model/layers.0.mixer_weights" not in old.tensor_index()
+    read = read_tensors(old, prefix="model/")
+    for key, value in read_tensors(packed, prefix="model/").items():
+        assert torch.equal(read[key], value), key
+    args = args_for(small_dataset, run_dir, **{"checkpoint.resume": start})
+    resumed = train(run_dir, args, 1)
+    assert resumed["start_step"] == RESUME_AT
+    assert resumed["train_losses"] == ref["train_losses"][RESUME_AT:]
+    ours, theirs = final_state(run_dir), final_state(ref_dir)
+    for key, value in theirs.items():
+        assert torch.equal(ours[key], value), key
+
+
 LAYOUTS = [(1, 1, 1), (3, 1, 1), (4, 1, 1), (1, 2, 2)]
 
 

@@ -104,8 +104,8 @@ def test_canonical_names():
     assert canonical_name("tied_modules.embed.embedding.embedding.word_embeddings.weight", 4) == (
         "embedding.embedding.word_embeddings.weight"
     )
-    assert canonical_name("3.block.attn_mixer.query", 4) == "layers.2.attn_mixer.query"
-    assert canonical_name("5.final.mixer.query", 4) == "final.mixer.query"
+    assert canonical_name("3.block.mixer_weights", 4) == "layers.2.mixer_weights"
+    assert canonical_name("5.final.mixer_weights", 4) == "final.mixer_weights"
     assert canonical_name("6.output.lm_head.weight", 4) == "output.lm_head.weight"
     with pytest.raises(ValueError):
         canonical_name("7.block.x", 4)

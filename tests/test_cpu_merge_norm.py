@@ -156,7 +156,6 @@ def test_model_with_the_fused_merge_equals_it_without(mode, recompute):
     """Block and Full AttnRes with trained (non-zero) queries: the model through the fused merge
     + norm and through the two ops gives the same loss and gradients (fp32), and the fused op
     is called."""
-    from attnres_dist.model import depth_mixing
     from attnres_dist.parallel.dims import ParallelDims
     from attnres_dist.parallel.process_groups import init_distributed
 
@@ -169,8 +168,8 @@ def test_model_with_the_fused_merge_equals_it_without(mode, recompute):
     models = [_model(words), _model(words)]
     gen = torch.Generator().manual_seed(1)
     for name, p in models[0].named_parameters():
-        if name.endswith(".query"):
-            p.data.copy_(0.5 * torch.randn(p.shape, generator=gen))
+        if name.endswith("mixer_weights"):  # the queries: [mixers, (query, key gain), D]
+            p.data[:, 0].copy_(0.5 * torch.randn(p[:, 0].shape, generator=gen))
     models[1].load_state_dict(models[0].state_dict())
     calls = []
     fused = get_depth_attention("cpu_fused").merge_norm
@@ -182,9 +181,10 @@ def test_model_with_the_fused_merge_equals_it_without(mode, recompute):
     window = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(0))
     results = []
     for model, impl in zip(models, [counted, None], strict=True):
-        for m in model.modules():
-            if isinstance(m, depth_mixing.DepthMixer):
-                m._merge_norm = impl
+        mixers = [model.final.mixer]
+        mixers += [m for layer in model.layers for m in (layer.attn_mixer, layer.mlp_mixer)]
+        for m in mixers:
+            m._merge_norm = impl
         loss = model.loss(window)
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))

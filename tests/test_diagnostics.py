@@ -166,14 +166,20 @@ def test_gradient_norms_equal_torch_norms_before_clipping(tmp_path):
     plan = model.plan
     groups = {("sublayers", i): [] for i in range(plan.num_sublayers)}
     for index, layer in enumerate(reference.layers):
+        parts = []  # (sublayer, gradient): the packed mixers' rows are their sublayers'
         for name, p in layer.named_parameters():
             if p.grad is None:
                 continue
-            groups[("sublayers", sublayer_of(index, name) - 1)].append(p.grad)
-            groups.setdefault(("layers", index), []).append(p.grad)
-            block = (sublayer_of(index, name) - 1) // plan.effective_block_size
-            groups.setdefault(("blocks", block), []).append(p.grad)
-            groups.setdefault(("layers_total", None), []).append(p.grad)
+            if name == "mixer_weights":  # [attention's, MLP's] mixer
+                parts += [(2 * index + 1, p.grad[0]), (2 * index + 2, p.grad[1])]
+            else:
+                parts.append((sublayer_of(index, name), p.grad))
+        for sublayer, grad in parts:
+            groups[("sublayers", sublayer - 1)].append(grad)
+            groups.setdefault(("layers", index), []).append(grad)
+            block = (sublayer - 1) // plan.effective_block_size
+            groups.setdefault(("blocks", block), []).append(grad)
+            groups.setdefault(("layers_total", None), []).append(grad)
     assert len(got["blocks"]) == plan.num_blocks
     for (key, index), grads in groups.items():
         want = torch.nn.utils.get_total_norm(grads).item()

@@ -89,13 +89,43 @@ def test_step_zero_gradients():
     """Gains get exactly zero gradient; queries of mixes over >= 2 sources a non-zero one."""
     model = build("block", 2)
     model.loss(tokens(seq=13)).backward()
-    for name, p in model.named_parameters():
-        if "key_norm_weight" in name:
-            assert torch.count_nonzero(p.grad) == 0, name
-    assert torch.count_nonzero(model.layers[0].attn_mixer.query.grad) == 0  # one source: b_0
+    params = dict(model.named_parameters())
+    # the packed mixers [mixers, (query, key gain), D]: a layer's attention's and MLP's mixer
+    grads = {
+        **{f"layers.{i}.attn_mixer": params[f"layers.{i}.mixer_weights"].grad[0] for i in range(3)},
+        **{f"layers.{i}.mlp_mixer": params[f"layers.{i}.mixer_weights"].grad[1] for i in range(3)},
+        "final.mixer": params["final.mixer_weights"].grad[0],
+    }
+    for name, grad in grads.items():
+        assert torch.count_nonzero(grad[1]) == 0, name  # the key gain
+    assert torch.count_nonzero(grads["layers.0.attn_mixer"][0]) == 0  # one source: b_0
     for name in ("layers.0.mlp_mixer", "layers.1.attn_mixer", "layers.2.mlp_mixer", "final.mixer"):
-        query = dict(model.named_parameters())[f"{name}.query"]
-        assert query.grad.abs().sum() > 0, name
+        assert grads[name][0].abs().sum() > 0, name
+
+
+def test_packed_mixers_are_the_only_mixer_parameters_and_not_decayed():
+    """Each layer holds its two mixers as one ``[2, 2, D]`` tensor (zero queries, unit gains)
+    and the final aggregation its one as ``[1, 2, D]``; AdamW decays none of them (gains and
+    queries, like the norms' gains), and every matrix still is."""
+    from attnres_dist.optim import param_groups
+
+    model = build("block", 2)
+    params = dict(model.named_parameters())
+    packed = {n: p for n, p in params.items() if "mixer" in n}
+    assert sorted(packed) == [
+        "final.mixer_weights",
+        *(f"layers.{i}.mixer_weights" for i in range(3)),
+    ]
+    for name, p in packed.items():
+        assert p.shape == ((1 if name.startswith("final") else 2), 2, 32), name
+        assert torch.equal(p[:, 0], torch.zeros_like(p[:, 0])), name
+        assert torch.equal(p[:, 1], torch.ones_like(p[:, 1])), name
+    decay, no_decay = param_groups(model, weight_decay=0.1)
+    assert no_decay["weight_decay"] == 0.0 and decay["weight_decay"] == 0.1
+    undecayed = {id(p) for p in no_decay["params"]}
+    assert all(id(p) in undecayed for p in packed.values())
+    matrices = [n for n, p in params.items() if p.dim() == 2]
+    assert matrices and not any(id(params[n]) in undecayed for n in matrices)
 
 
 def test_no_state_leaks_between_calls_and_modes():

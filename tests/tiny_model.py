@@ -44,9 +44,10 @@ def randomize_mixers(model, seed=1):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "mixer" in name:
-                scale, shift = (0.5, 0.0) if "query" in name else (0.2, 1.0)
-                p.copy_(torch.randn(p.shape, generator=g) * scale + shift)
+            if name.endswith("mixer_weights"):  # [mixers, (query, key gain), D]
+                noise = torch.randn(p.shape, generator=g)
+                p[:, 0].copy_(noise[:, 0] * 0.5)
+                p[:, 1].copy_(noise[:, 1] * 0.2 + 1.0)
 
 
 def naive_sources(v: list, i: int, size: int) -> list:

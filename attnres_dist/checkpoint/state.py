@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from attnres_dist.checkpoint import faults, store
+from attnres_dist.checkpoint.legacy_names import PackedIndex
 from attnres_dist.checkpoint.store import Checkpoint, CheckpointError
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.tp_shards import gather_full, is_sharded, shard_of
@@ -219,7 +220,8 @@ def save_checkpoint(
 
 
 def read_tensors(ckpt: Checkpoint, prefix: str = "model/") -> dict[str, torch.Tensor]:
-    """Every tensor whose key starts with ``prefix``, by the rest of its key (e.g. for export)."""
+    """Every tensor whose key starts with ``prefix``, by the rest of its key (e.g. for export);
+    an older checkpoint's unpacked depth-mixer parameters packed (``legacy_names``)."""
     from safetensors import safe_open
 
     out = {}
@@ -230,6 +232,13 @@ def read_tensors(ckpt: Checkpoint, prefix: str = "model/") -> dict[str, torch.Te
         with safe_open(str(ckpt.path / name), framework="pt") as fh:
             for key in keys:
                 out[key[len(prefix) :]] = fh.get_tensor(key)
+    packed = PackedIndex(prefix + name for name in out)  # an older checkpoint's mixers
+    for key, parts in packed.parts.items():
+        joined = packed.read(key, lambda k: out[k[len(prefix) :]])
+        if joined is not None:
+            for part in parts.values():
+                del out[part[len(prefix) :]]
+            out[key[len(prefix) :]] = joined
     return out
 
 
@@ -246,8 +255,9 @@ def load_checkpoint(ckpt: Checkpoint, engine, dims: ParallelDims, rank: int) -> 
     _, _, tp_rank = dims.coords(rank)
     sharded = getattr(engine, "sharded_state", None)  # DeepSpeed's bf16 / ZeRO-1 partitions
     index = ckpt.tensor_index()
+    packed = PackedIndex(index)  # an older checkpoint's unpacked depth-mixer parameters
     optim_keys: dict[str, list[str]] = {}
-    for key in index:
+    for key in dict.fromkeys(packed.names(k) for k in index):
         if key.startswith("optim/"):
             _, state_key, name = key.split("/", 2)
             optim_keys.setdefault(name, []).append(state_key)
@@ -257,6 +267,8 @@ def load_checkpoint(ckpt: Checkpoint, engine, dims: ParallelDims, rank: int) -> 
         def get(key: str) -> torch.Tensor:
             if key not in index and key.startswith("model/"):  # a TE-spec run, local names
                 key = "model/" + (spec_names.local_name(key[len("model/") :]) or key)
+            if key not in index and (joined := packed.read(key, get)) is not None:
+                return joined
             if key not in index:
                 raise CheckpointError(str(ckpt.path), f"has no tensor {key!r}; not this model's")
             file = index[key]

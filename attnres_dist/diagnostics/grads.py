@@ -1,11 +1,12 @@
 """Gradient norms per sublayer, transformer layer and AttnRes block.
 
 A transformer layer's parameters split into its two sublayers: the attention sublayer owns
-``input_layernorm``, ``self_attention`` and the depth mixer that feeds it (``attn_mixer``); the
-MLP sublayer owns ``pre_mlp_layernorm``, ``mlp`` and ``mlp_mixer``. Anything else a layer may
-grow counts towards the layer only. ``GradMeter`` reads squared gradient norms of the local
-layers' parameters at one moment (the accumulated, not yet clipped gradients of an optimizer
-step); ``norms`` turns the squared sums of all stages into norms per sublayer, layer and block.
+``input_layernorm``, ``self_attention`` and the depth mixer that feeds it (row 0 of the layer's
+packed ``mixer_weights``); the MLP sublayer owns ``pre_mlp_layernorm``, ``mlp`` and its mixer
+(row 1). Anything else a layer may grow counts towards the layer only. ``GradMeter`` reads
+squared gradient norms of the local layers' parameters at one moment (the accumulated, not yet
+clipped gradients of an optimizer step); ``norms`` turns the squared sums of all stages into
+norms per sublayer, layer and block.
 
 Under tensor parallelism a sharded parameter counts on every tensor rank (its shards add up)
 and a replicated one only on tensor rank 0, so the squared sums of a data-parallel replica's
@@ -21,8 +22,9 @@ import torch
 
 from attnres_dist.config.block_plan import BlockPlan
 
-_ATTENTION_PARTS = ("attn_mixer.", "layer.input_layernorm.", "layer.self_attention.")
-_MLP_PARTS = ("mlp_mixer.", "layer.pre_mlp_layernorm.", "layer.mlp.")
+_ATTENTION_PARTS = ("layer.input_layernorm.", "layer.self_attention.")
+_MLP_PARTS = ("layer.pre_mlp_layernorm.", "layer.mlp.")
+_MIXERS = "mixer_weights"  # [2, 2, D]: row 0 the attention's mixer, row 1 the MLP's
 
 
 def sublayer_of(layer_index: int, name: str) -> int | None:
@@ -34,28 +36,39 @@ def sublayer_of(layer_index: int, name: str) -> int | None:
     return None
 
 
+def _entries(layer_index: int, name: str, param) -> list[tuple]:
+    """(layer index, sublayer or None, parameter, row or None) for each part of ``name``."""
+    if name == _MIXERS:
+        first = 2 * layer_index + 1
+        return [(layer_index, first + row, param, row) for row in range(param.shape[0])]
+    return [(layer_index, sublayer_of(layer_index, name), param, None)]
+
+
 class GradMeter:
     """Squared gradient norms of the given ``AttnResLayer`` modules, grouped by sublayer."""
 
     def __init__(self, layers, tp_rank: int = 0):
-        # (layer index, sublayer or None, parameter) for every parameter this rank counts
+        # (layer index, sublayer or None, parameter, row or None) for every parameter (or
+        # row of one) this rank counts
         self.params = []
         for layer in layers:
             for name, p in layer.named_parameters():
                 if tp_rank == 0 or getattr(p, "tensor_model_parallel", False):
-                    self.params.append((layer.layer_index, sublayer_of(layer.layer_index, name), p))
+                    self.params += _entries(layer.layer_index, name, p)
         self._latest: dict[int, torch.Tensor] = {}
         self._handles = []
         self.seconds = 0.0  # wall time spent reading gradients since the last attach/read
 
     @staticmethod
     def _sq(grad: torch.Tensor) -> torch.Tensor:
-        return grad.detach().double().pow(2).sum()
+        """Squared norm of each row of ``grad`` (a 1-D result) or of the whole of it."""
+        sq = grad.detach().double().pow(2)
+        return sq.flatten(1).sum(1) if grad.dim() > 1 else sq.sum()
 
     def read(self) -> dict:
         """Squared norms of the parameters' current ``.grad`` (None grads count as zero)."""
         start = time.perf_counter()
-        grads = {id(p): self._sq(p.grad) for _, _, p in self.params if p.grad is not None}
+        grads = {id(p): self._sq(p.grad) for p in self._unique() if p.grad is not None}
         out = self._group(grads)
         self.seconds = time.perf_counter() - start
         return out
@@ -70,8 +83,11 @@ class GradMeter:
         """
         self._latest.clear()
         self.seconds = 0.0
-        for _, _, p in self.params:
+        for p in self._unique():
             self._handles.append(p.register_post_accumulate_grad_hook(self._on_accumulate))
+
+    def _unique(self) -> list:
+        return list({id(p): p for _, _, p, _ in self.params}.values())
 
     def _on_accumulate(self, p: torch.Tensor) -> None:
         start = time.perf_counter()
@@ -91,8 +107,9 @@ class GradMeter:
     def _group(self, sq_by_param: dict[int, torch.Tensor]) -> dict:
         sublayers: dict[int, float] = {}
         other: dict[int, float] = {}
-        for layer_index, sublayer, p in self.params:
-            value = float(sq_by_param[id(p)]) if id(p) in sq_by_param else 0.0
+        for layer_index, sublayer, p, row in self.params:
+            sq = sq_by_param.get(id(p))
+            value = 0.0 if sq is None else float(sq.sum() if row is None else sq[row])
             if sublayer is None:
                 other[layer_index] = other.get(layer_index, 0.0) + value
             else:

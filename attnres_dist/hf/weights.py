@@ -11,7 +11,9 @@ wrote them). Two weights change layout on the way:
 
 Transformer Engine layer specs fuse the PreNorm gains into the linear layers
 (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``); both spellings map to
-the same Hugging Face names. Anything unknown is an error, never silently dropped.
+the same Hugging Face names. Each packed ``mixer_weights`` (a layer's two depth mixers, or the
+final aggregation's one) becomes one ``query`` and one ``key_norm_weight`` per mixer.
+Anything unknown is an error, never silently dropped.
 """
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _TOP = {
     "embedding.embedding.word_embeddings.weight": "model.embed_tokens.weight",
     "final.final_norm.weight": "model.norm.weight",
-    "final.mixer.query": "model.final_mixer.query",
-    "final.mixer.key_norm_weight": "model.final_mixer.key_norm_weight",
     "output.lm_head.weight": "lm_head.weight",
 }
 _IN_LAYER = {
@@ -35,11 +35,21 @@ _IN_LAYER = {
     "layer.pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "layer.mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
     "layer.mlp.linear_fc2.weight": "mlp.down_proj.weight",
-    "attn_mixer.query": "attn_mixer.query",
-    "attn_mixer.key_norm_weight": "attn_mixer.key_norm_weight",
-    "mlp_mixer.query": "mlp_mixer.query",
-    "mlp_mixer.key_norm_weight": "mlp_mixer.key_norm_weight",
 }
+# the packed depth-mixer weights [mixers, (query, key gain), D]: one Hugging Face mixer a row
+_FINAL_MIXERS = ("model.final_mixer.",)
+_LAYER_MIXERS = ("attn_mixer.", "mlp_mixer.")
+
+
+def split_mixers(weights: torch.Tensor, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Packed ``mixer_weights`` -> each mixer's ``query`` and ``key_norm_weight``."""
+    if weights.shape[:2] != (len(prefixes), 2):
+        raise KeyError(f"mixer weights of shape {list(weights.shape)}, not [{len(prefixes)}, 2, D]")
+    out = {}
+    for prefix, (query, gain) in zip(prefixes, weights, strict=True):
+        out[prefix + "query"] = query.contiguous()
+        out[prefix + "key_norm_weight"] = gain.contiguous()
+    return out
 
 
 def split_qkv(weight: torch.Tensor, heads: int, groups: int, head_dim: int):
@@ -61,6 +71,9 @@ def hf_state_dict(
         if name in _TOP:
             out[_TOP[name]] = value.contiguous()
             continue
+        if name == "final.mixer_weights":
+            out.update(split_mixers(value, _FINAL_MIXERS))
+            continue
         match = _LAYER.match(name)
         if match is None:
             raise KeyError(f"unknown parameter {name!r}")
@@ -74,6 +87,8 @@ def hf_state_dict(
             gate, up = torch.chunk(value, 2, dim=0)
             out[prefix + "mlp.gate_proj.weight"] = gate.contiguous()
             out[prefix + "mlp.up_proj.weight"] = up.contiguous()
+        elif rest == "mixer_weights":
+            out.update(split_mixers(value, tuple(prefix + m for m in _LAYER_MIXERS)))
         elif rest in _IN_LAYER:
             out[prefix + _IN_LAYER[rest]] = value.contiguous()
         else:
@@ -85,7 +100,7 @@ def hf_state_dict(
 
 # Hugging Face Llama / Mistral names -> canonical ones (the plain weights of _TOP and _IN_LAYER
 # read backwards: no depth-attention parameters, no Transformer Engine spellings)
-_FROM_HF_TOP = {hf: ours for ours, hf in _TOP.items() if ".mixer." not in ours}
+_FROM_HF_TOP = {hf: ours for ours, hf in _TOP.items()}
 _FROM_HF_LAYER = {
     hf: ours
     for ours, hf in _IN_LAYER.items()

@@ -3,7 +3,8 @@
 Megatron builds the layer (``input_layernorm``, ``self_attention``, ``pre_mlp_layernorm``,
 ``mlp``); this module calls those submodules directly and owns the residual logic instead of
 Megatron's bias-dropout-add. Each of the two sublayers reads a depth-attention mix over the
-state's sources (its own zero-initialised query and key RMSNorm gain), and its raw output is added
+state's sources (its own zero-initialised query and key RMSNorm gain: a row of the layer's
+``mixer_weights``), and its raw output is added
 to the partial block, which is closed into the completed list where the block plan says so.
 Baseline mode applies the plain PreNorm residual with the very same submodules.
 
@@ -30,7 +31,12 @@ import torch.nn.functional as F
 
 from attnres_dist.config.block_plan import BlockPlan
 from attnres_dist.model import compiled_region, dropout_streams
-from attnres_dist.model.depth_mixing import DepthMixer, configure_segments, merge_inputs
+from attnres_dist.model.depth_mixing import (
+    DepthMixer,
+    configure_segments,
+    merge_inputs,
+    mixer_weights,
+)
 from attnres_dist.model.depth_state import DepthState
 from attnres_dist.model.recompute import checkpoint
 from attnres_dist.model.sdpa_attention import SdpaAttention
@@ -64,9 +70,10 @@ class AttnResLayer(torch.nn.Module):
         self.hidden_dropout = megatron_layer.config.hidden_dropout
         self.uses_dropout = self.hidden_dropout > 0 or megatron_layer.config.attention_dropout > 0
         if plan.mode != "baseline":
-            hidden = megatron_layer.config.hidden_size
-            self.attn_mixer = DepthMixer(hidden, impl)
-            self.mlp_mixer = DepthMixer(hidden, impl)
+            # the attention's and the MLP's mixers: rows 0 and 1 of one parameter
+            self.mixer_weights = mixer_weights(2, megatron_layer.config.hidden_size)
+            self.attn_mixer = DepthMixer(self.mixer_weights, 0, impl)
+            self.mlp_mixer = DepthMixer(self.mixer_weights, 1, impl)
         self.recompute = "none"
         self.group: list[AttnResLayer] = [self]  # layers recomputed together (full recompute)
         self.store_capacity = plan.final_num_sources  # rows of the block store's buffer

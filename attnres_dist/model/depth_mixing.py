@@ -1,7 +1,8 @@
 """Depth mixing in the model: the mixers, and the two-phase schedule over segments.
 
 ``DepthMixer`` is one sublayer's softmax attention over depth (its zero-initialised
-pseudo-query and its key RMSNorm gain) run by the configured implementation.
+pseudo-query and its key RMSNorm gain) run by the configured implementation. The queries and
+gains of a layer's two mixers are one parameter (``mixer_weights``).
 
 With a two-phase implementation (the registry's ``two_phase``), sublayers are grouped into
 *segments*: consecutive sublayers of one stage that attend over the same completed blocks.
@@ -43,17 +44,43 @@ from attnres_dist.ops.cpu_rms_norm import CpuRMSNorm
 FULL_GROUP = 8  # phase-1 batch of Full AttnRes (sublayers)
 
 
-class DepthMixer(torch.nn.Module):
-    """Softmax attention over depth with a learned pseudo-query (zero at init) and key gain."""
+def mixer_weights(sublayers: int, hidden_size: int) -> torch.nn.Parameter:
+    """The packed parameter of ``sublayers`` depth mixers: ``[sublayers, 2, D]``, row ``i``
+    holding mixer ``i``'s pseudo-query (zero at init) and its key RMSNorm gain (one at init).
+    One tensor per layer rather than four: every parameter costs the host a gradient
+    accumulation and a slot in the optimizer's lists each step, whatever its size. No weight
+    decay, as for the norms' gains (``no_weight_decay``)."""
+    init = torch.stack((torch.zeros(hidden_size), torch.ones(hidden_size)))
+    weights = torch.nn.Parameter(init.expand(sublayers, 2, hidden_size).clone())
+    weights.no_weight_decay = True
+    return weights
 
-    def __init__(self, hidden_size: int, impl: str = "lean", eps: float = 1e-6):
-        super().__init__()
-        self.query = torch.nn.Parameter(torch.zeros(hidden_size))
-        self.key_norm_weight = torch.nn.Parameter(torch.ones(hidden_size))
+
+class DepthMixer:
+    """Softmax attention over depth with a learned pseudo-query (zero at init) and key gain:
+    row ``row`` of a packed ``mixer_weights`` parameter that the layer (or the final
+    aggregation) owns, run by the configured implementation."""
+
+    def __init__(self, weights: torch.nn.Parameter, row: int, impl: str = "lean", eps=1e-6):
+        self.weights = weights
+        self.row = row
         self.eps = eps
         self.impl = impl
         self._op = get_depth_attention(impl)
         self._merge_norm = self._op.merge_norm  # phase 2 + RMSNorm fused, or None
+
+    @property
+    def query(self) -> torch.Tensor:
+        return self.weights[self.row, 0]
+
+    @property
+    def key_norm_weight(self) -> torch.Tensor:
+        return self.weights[self.row, 1]
+
+    def query_and_gain(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both, from one view of the row (one backward node for the two gradients)."""
+        query, gain = self.weights[self.row].unbind(0)
+        return query, gain
 
     @property
     def two_phase(self) -> bool:
@@ -63,10 +90,9 @@ class DepthMixer(torch.nn.Module):
     def grad_into(self) -> bool:
         return self._op.grad_into
 
-    def forward(self, sources, return_weights: bool = False):
-        return self._op(
-            self.query, sources, self.key_norm_weight, eps=self.eps, return_weights=return_weights
-        )
+    def __call__(self, sources, return_weights: bool = False):
+        q, g = self.query_and_gain()
+        return self._op(q, sources, g, eps=self.eps, return_weights=return_weights)
 
     def merge(self, out1: torch.Tensor, lse: torch.Tensor, extra, dtype: torch.dtype, into=None):
         """Phase 2: this sublayer's phase-1 slice merged with ``extra`` (None: nothing);
@@ -74,7 +100,7 @@ class DepthMixer(torch.nn.Module):
         if extra is None:
             return out1.to(dtype)
         kw = {} if into is None else {"grad_into": into}
-        q, g = self.query, self.key_norm_weight
+        q, g = self.query_and_gain()
         return self._op.phase2(out1, lse, extra, q, g, eps=self.eps, **kw)
 
     def merge_norm(self, norm, out1, lse, extra, dtype: torch.dtype, into=None):
@@ -84,7 +110,7 @@ class DepthMixer(torch.nn.Module):
         if fused is None or extra is None or not isinstance(norm, CpuRMSNorm):
             return norm(self.merge(out1, lse, extra, dtype, into))
         kw = {} if into is None else {"grad_into": into}
-        q, g = self.query, self.key_norm_weight
+        q, g = self.query_and_gain()
         return fused(out1, lse, extra, q, g, norm.weight, eps=self.eps, norm_eps=norm.eps, **kw)
 
     def attend_store(self, state: DepthState) -> torch.Tensor:
@@ -98,33 +124,25 @@ class DepthMixer(torch.nn.Module):
             if self._op.grad_into and _holds(state)
             else {}
         )
-        q, g = self.query.unsqueeze(0), self.key_norm_weight.unsqueeze(0)
+        weights = self.weights[self.row : self.row + 1]
+        q, g = weights[:, 0], weights[:, 1]
         out1, lse = self._op.phase1(store, q, g, eps=self.eps, **into)
         extra = None if state.partial is None else state.partial.unsqueeze(0)
         return self.merge(out1[0], lse[0], extra, state.store.dtype)
 
 
-class _StackParameters(torch.autograd.Function):
-    """``torch.stack`` of ``[D]`` parameters whose backward hands each parameter a gradient of
-    its own. ``stack``'s backward returns views of one ``[S, D]`` gradient; a parameter whose
-    first gradient is such a view keeps the whole ``[S, D]`` storage alive as its ``.grad``."""
-
-    @staticmethod
-    def forward(ctx, *params):
-        return torch.stack(params)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return tuple(g.clone() for g in grad.unbind(0))
-
-
-def _stack_parameters(params: list) -> torch.Tensor:
-    """``torch.stack(params)``, through ``_StackParameters`` where a backward will run.
-    (Without grad there is no gradient to hand back; and TorchDynamo traces the Function's
-    variadic forward under no_grad with its first argument only: a one-row stack.)"""
-    if not torch.is_grad_enabled():
-        return torch.stack(params)
-    return _StackParameters.apply(*params)
+def _stacked_weights(mixers: list[DepthMixer]) -> torch.Tensor:
+    """The ``[S, 2, D]`` weights of ``mixers``: a slice of one packed parameter where they are
+    its consecutive rows (a layer's two mixers), else the slices of each joined."""
+    runs = []  # [weights, first row, rows]
+    for m in mixers:
+        run = runs[-1] if runs else None
+        if run is not None and run[0] is m.weights and run[1] + run[2] == m.row:
+            run[2] += 1
+        else:
+            runs.append([m.weights, m.row, 1])
+    parts = [w if k == w.shape[0] else w[r : r + k] for w, r, k in runs]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 @dataclass
@@ -170,15 +188,14 @@ class Segment:
         )
         normed = self.fuses_first_norm(state)
         if op.phase1_split is not None:  # the parameters and slices as they are
-            queries = [m.query for m in self.mixers]
-            gains = [m.key_norm_weight for m in self.mixers]
+            weights = _stacked_weights(self.mixers)
+            queries, gains = weights[:, 0].unbind(0), weights[:, 1].unbind(0)
             if normed:
                 into["first_norm"] = (self.first_norm.weight, self.first_norm.eps)
             out1, lse = op.phase1_split(store, queries, gains, eps=eps, **into)
         else:
-            queries = _stack_parameters([m.query for m in self.mixers])
-            gains = _stack_parameters([m.key_norm_weight for m in self.mixers])
-            out1, lse = op.phase1(store, queries, gains, eps=eps, **into)
+            weights = _stacked_weights(self.mixers)
+            out1, lse = op.phase1(store, weights[:, 0], weights[:, 1], eps=eps, **into)
             # unbind once: one backward node stacks the S gradients, where S separate index
             # ops would each fill a zero tensor of the whole [S, ...] and add it up
             out1, lse = out1.unbind(0), lse.unbind(0)

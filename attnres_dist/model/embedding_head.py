@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from attnres_dist.config.block_plan import BlockPlan
 from attnres_dist.model import compiled_region, dropout_streams
-from attnres_dist.model.depth_mixing import DepthMixer, merge_inputs
+from attnres_dist.model.depth_mixing import DepthMixer, merge_inputs, mixer_weights
 from attnres_dist.model.depth_state import DepthState
 from attnres_dist.model.document_masks import DocumentOptions, document_layout
 
@@ -98,7 +98,8 @@ class FinalAggregation(torch.nn.Module):
         super().__init__()
         self.plan = plan
         if plan.mode != "baseline":
-            self.mixer = DepthMixer(config.hidden_size, impl)
+            self.mixer_weights = mixer_weights(1, config.hidden_size)
+            self.mixer = DepthMixer(self.mixer_weights, 0, impl)
         self.final_norm = _final_norm(config)
         self._region = self.aggregate  # the compiled region (``compile_region``) or itself
 
