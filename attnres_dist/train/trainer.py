@@ -2,11 +2,12 @@
 
 ``Trainer(cfg).train()`` opens the data (building the embedded default corpus on first use;
 samples come from megatron-core's GPTDataset, ``data/gpt_samples.py``), starts the process
-groups, builds the model parts and the engine, and runs the loop: deterministic global batches,
-one optimizer step each, periodic validation, and per logged step the loss, learning rate,
-gradient norm (before clipping), tokens/s, MFU and every rank's peak memory. A world of
-one process runs the plain-PyTorch reference engine; anything larger runs the DeepSpeed pipeline
-engine over the same parts. Both see exactly the same data at every step.
+groups, builds the model parts and the engine, and runs the loop: deterministic global batches
+(each built one step ahead in a background thread, ``data/prefetch.py``), one optimizer step
+each, periodic validation, and per logged step the loss, learning rate, gradient norm (before
+clipping), tokens/s, MFU and every rank's peak memory. A world of one process runs the
+plain-PyTorch reference engine; anything larger runs the DeepSpeed pipeline engine over the
+same parts. Both see exactly the same data at every step.
 
 Checkpoints (``attnres_dist.checkpoint``): the one to resume is chosen before any process group
 starts, loaded right after the engine is built, and the loop continues from its step; saves
@@ -28,6 +29,7 @@ from attnres_dist.checkpoint import faults
 from attnres_dist.checkpoint.manager import Checkpointing
 from attnres_dist.config import Config
 from attnres_dist.data.gpt_samples import open_samples, plan_data
+from attnres_dist.data.prefetch import Prefetcher
 from attnres_dist.diagnostics.collector import Diagnostics
 from attnres_dist.errors import ConfigError
 from attnres_dist.model import dropout_streams
@@ -225,34 +227,43 @@ class Trainer:
         # anything is saved)
         unread: list[tuple[int, torch.Tensor]] = []
         valid_loss = None
-        for step in range(self.start_step, t.steps):
-            faults.maybe_fail("before-step", rank, step + 1)
-            # dropout masks: a function of (seed, step, global micro-batch, layer), any layout
-            dp_rank = self.dims.coords(rank)[1]
-            dropout_streams.begin_step(t.seed, step, dp_rank * cfg.grad_accum_steps)
-            with self.diagnostics.step(step + 1):  # measures one micro-batch every k steps
-                unread.append((step + 1, self.engine.train_step(self.micro_batches(step))))
-            window_tokens += tokens_per_step
-            logged = (step + 1) % t.log_every == 0 or step + 1 == t.steps
-            if logged or self.checkpoints.due(step + 1, t.steps):
-                losses += self._read_losses(unread)
-                loss = losses[-1]
-            if logged:
-                now = time.perf_counter()
-                signals = self.signals.record(window_tokens, now - window_start)  # collective
-                window_start, window_tokens = now, 0
-                norm = self.engine.last_grad_norm
-                self.metrics.log(
-                    step + 1, "train", loss=loss, lr=self.engine.lr, grad_norm=norm, **signals
-                )
-                shown = {"loss": loss, "gnorm": norm, "tok_s": signals["tokens_per_s"]}
-                self.metrics.progress(step + 1, **{k: v for k, v in shown.items() if v is not None})
-            if self.checkpoints.due(step + 1, t.steps):
-                path = self.checkpoints.save(step + 1, self.engine, self.dims, rank)
-                self.metrics.log(step + 1, "checkpoint", path=str(path))
-            faults.maybe_fail("after-step", rank, step + 1)
-            if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 != t.steps:
-                self.evaluate(step + 1)
+        # the next step's batches are built in a background thread while a step runs
+        batches = Prefetcher(
+            self.micro_batches, self.start_step, t.steps, pin=self.engine.device.type == "cuda"
+        )
+        try:
+            for step in range(self.start_step, t.steps):
+                faults.maybe_fail("before-step", rank, step + 1)
+                # dropout masks: a function of (seed, step, global micro-batch, layer), any layout
+                dp_rank = self.dims.coords(rank)[1]
+                dropout_streams.begin_step(t.seed, step, dp_rank * cfg.grad_accum_steps)
+                with self.diagnostics.step(step + 1):  # measures one micro-batch every k steps
+                    unread.append((step + 1, self.engine.train_step(batches.get(step))))
+                window_tokens += tokens_per_step
+                logged = (step + 1) % t.log_every == 0 or step + 1 == t.steps
+                if logged or self.checkpoints.due(step + 1, t.steps):
+                    losses += self._read_losses(unread)
+                    loss = losses[-1]
+                if logged:
+                    now = time.perf_counter()
+                    signals = self.signals.record(window_tokens, now - window_start)  # collective
+                    window_start, window_tokens = now, 0
+                    norm = self.engine.last_grad_norm
+                    self.metrics.log(
+                        step + 1, "train", loss=loss, lr=self.engine.lr, grad_norm=norm, **signals
+                    )
+                    shown = {"loss": loss, "gnorm": norm, "tok_s": signals["tokens_per_s"]}
+                    self.metrics.progress(
+                        step + 1, **{k: v for k, v in shown.items() if v is not None}
+                    )
+                if self.checkpoints.due(step + 1, t.steps):
+                    path = self.checkpoints.save(step + 1, self.engine, self.dims, rank)
+                    self.metrics.log(step + 1, "checkpoint", path=str(path))
+                faults.maybe_fail("after-step", rank, step + 1)
+                if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 != t.steps:
+                    self.evaluate(step + 1)
+        finally:
+            batches.close()
         dropout_streams.end()  # later forwards outside the loop draw sequentially again
         valid_loss = self.evaluate(t.steps)
         test_loss = self.evaluate(t.steps, "test") if self.test_data is not None else None
