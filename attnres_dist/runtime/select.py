@@ -26,11 +26,12 @@ So is the host allocator's policy (``runtime.cpu_allocator``): ``auto`` on a CPU
 glibc keeps freed memory in the process (``attnres_dist.runtime.allocator``), which this
 selection applies, since it holds for the whole process from then on.
 
-Whether each transformer layer runs as one ``torch.compile`` graph (``runtime.compile``:
-``layer``; ``off``: eagerly) is chosen here as well. A compiled layer needs ops the compiler
-sees: the torch two-phase depth attention (``twophase``) and torch's RMSNorm, so ``layer``
-resolves ``auto`` to those and refuses the fused C depth-attention kernels and apex's norm by
-name; the C RMSNorm (registered ops) is kept when asked for. ``auto`` compiles only where it
+Whether each transformer layer (and the final aggregation) runs as one ``torch.compile``
+graph (``runtime.compile``: ``layer``; ``off``: eagerly) is chosen here as well. A compiled
+layer needs ops the compiler sees: the torch two-phase depth attention (``twophase``) and
+torch's RMSNorm, so ``layer`` resolves ``auto`` to those and refuses the fused C
+depth-attention kernels and apex's norm by name; the C RMSNorm (registered ops) is kept when
+asked for. ``auto`` compiles only where it
 was measured to pay (``COMPILE_AUTO``): not on a CPU, where compiling the layers costs more
 than a whole ``make train`` run gains (docs/compile.md), and not yet on a GPU, where it has
 not been measured.
@@ -76,7 +77,7 @@ class RuntimeChoice:
     depth_attention: Choice | None = None
     # retain | system: the host allocator's policy for freed memory (runtime/allocator.py)
     cpu_allocator: Choice | None = None
-    # layer | off: each transformer layer one torch.compile graph, or eager
+    # layer | off: each transformer layer (and the final aggregation) one torch.compile graph
     compile: Choice | None = None
     # on | off: the compiled layers replayed as CUDA graphs (compile mode reduce-overhead)
     cuda_graphs: Choice | None = None
@@ -117,7 +118,7 @@ class RuntimeChoice:
 
     @property
     def compiled(self) -> bool:
-        """Each transformer layer runs as one torch.compile graph."""
+        """Each transformer layer and the final aggregation run as one torch.compile graph."""
         return self.compile is not None and self.compile.value == "layer"
 
     @property
