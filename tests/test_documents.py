@@ -97,8 +97,8 @@ def tiny_model(documents):
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():  # the same non-zero queries, so depth attention is not a plain mean
         for name, p in model.named_parameters():
-            if name.endswith("query"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            if name.endswith("mixer_weights"):  # [mixers, (query, key gain), D]
+                p[:, 0].copy_(torch.randn(p[:, 0].shape, generator=gen) * 0.5)
     return model.eval()
 
 

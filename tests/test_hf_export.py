@@ -55,7 +55,7 @@ def process_group():
 
 
 def build(overrides: dict, vocab: int = 257, seq_length: int = 16):
-    """(AttnResGPT with random 1-D weights, its ModelConfig)."""
+    """(AttnResGPT with random norm gains, queries and key gains, its ModelConfig)."""
     base = {
         "model.num_layers": 4,
         "model.hidden_size": 32,
@@ -68,9 +68,11 @@ def build(overrides: dict, vocab: int = 257, seq_length: int = 16):
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim == 1:
-                query = "query" in name
-                p.copy_(torch.randn(p.shape, generator=g) * (1.0 if query else 0.3) + (not query))
+            if p.ndim == 1:  # the norms' gains
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3 + 1.0)
+            elif name.endswith("mixer_weights"):  # [mixers, (query, key gain), D]
+                p[:, 0].copy_(torch.randn(p[:, 0].shape, generator=g))
+                p[:, 1].copy_(torch.randn(p[:, 1].shape, generator=g) * 0.3 + 1.0)
     return model, cfg.model
 
 

@@ -153,8 +153,8 @@ def test_whole_model_forward_backward_megatron_vs_sdpa(mode, groups):
         assert isinstance(block, SdpaSelfAttention) == (kind == "sdpa")
         with torch.no_grad():  # AttnRes queries start at zero: make the depth mix non-uniform
             for name, p in model.named_parameters():
-                if name.endswith("query"):
-                    p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+                if name.endswith("mixer_weights"):  # [mixers, (query, key gain), D]
+                    p[:, 0].normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
         loss = model.loss(window)
         loss.backward()
         results[kind] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()})
