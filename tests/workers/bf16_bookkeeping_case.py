@@ -53,7 +53,11 @@ def main() -> None:
     pairs = zip(ours.checkpoint_params(), theirs.checkpoint_params(), strict=True)
     for (name, p, _), (_, q, _) in pairs:
         assert torch.equal(ours.sharded_state.master(p), theirs.sharded_state.master(q)), name
-    print("ok", launch.rank, " ".join(f"{n:.6g}" for n in norms), flush=True)
+    # one write of the whole line: print() writes its parts one by one, and under an
+    # unbuffered stdout the four ranks' parts then interleave in torchrun's merged output
+    line = " ".join(["ok", str(launch.rank), *(f"{n:.6g}" for n in norms)])
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
     shutdown_distributed()
 
 
