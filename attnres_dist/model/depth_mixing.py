@@ -187,15 +187,14 @@ class Segment:
             else {}
         )
         normed = self.fuses_first_norm(state)
+        weights = _stacked_weights(self.mixers)
+        queries, gains = weights[:, 0], weights[:, 1]
         if op.phase1_split is not None:  # the parameters and slices as they are
-            weights = _stacked_weights(self.mixers)
-            queries, gains = weights[:, 0].unbind(0), weights[:, 1].unbind(0)
             if normed:
                 into["first_norm"] = (self.first_norm.weight, self.first_norm.eps)
-            out1, lse = op.phase1_split(store, queries, gains, eps=eps, **into)
+            out1, lse = op.phase1_split(store, queries.unbind(0), gains.unbind(0), eps=eps, **into)
         else:
-            weights = _stacked_weights(self.mixers)
-            out1, lse = op.phase1(store, weights[:, 0], weights[:, 1], eps=eps, **into)
+            out1, lse = op.phase1(store, queries, gains, eps=eps, **into)
             # unbind once: one backward node stacks the S gradients, where S separate index
             # ops would each fill a zero tensor of the whole [S, ...] and add it up
             out1, lse = out1.unbind(0), lse.unbind(0)

@@ -117,7 +117,7 @@ class FinalAggregation(torch.nn.Module):
             )
         if self.probe is None:
             return self._region(state)
-        hidden = self._mix(state)  # a measured micro-batch: eager, the mix seen unnormed
+        hidden = self._mix(state, self._phase2_inputs(state))  # measured: eager, unnormed
         self.probe.final(self, state, hidden)
         return self.final_norm(hidden)
 
@@ -127,10 +127,10 @@ class FinalAggregation(torch.nn.Module):
         merge = self._phase2_inputs(state)
         if merge is not None:
             return self.mixer.merge_norm(self.final_norm, *merge)
-        return self.final_norm(self._mix(state))
+        return self.final_norm(self._mix(state, merge))
 
-    def _mix(self, state: DepthState) -> torch.Tensor:
-        merge = self._phase2_inputs(state)
+    def _mix(self, state: DepthState, merge) -> torch.Tensor:
+        """The final mix before its norm; ``merge``: ``_phase2_inputs(state)``."""
         if merge is not None:
             return self.mixer.merge(*merge)
         if self.plan.mode == "baseline":
