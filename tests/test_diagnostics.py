@@ -17,19 +17,22 @@ import math
 
 import pytest
 import torch
+import torch._dynamo
 
 from attnres_dist.config import OptimConfig, load_config
 from attnres_dist.diagnostics.collector import FILENAME, Diagnostics
 from attnres_dist.diagnostics.grads import sublayer_of
 from attnres_dist.errors import ConfigError
+from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
 from attnres_dist.model.sequence_context import sequence_context
 from attnres_dist.ops import depth_attention_reference
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
+from attnres_dist.runtime.select import select_runtime
 from attnres_dist.train.local_engine import LocalEngine
 from attnres_dist.train.trainer import Trainer
 from tests.conftest import run_job
-from tests.tiny_model import VOCAB, naive_sources, naive_sublayer, randomize_mixers
+from tests.tiny_model import VOCAB, naive_sources, naive_sublayer, randomize_mixers, tiny_overrides
 from tests.tiny_model import build as tiny_model
 
 
@@ -38,8 +41,25 @@ def process_group():
     init_distributed(ParallelDims(), seed=0)
 
 
-def build(mode="block", block_size=3, num_layers=3, seed=0, recompute="none"):
-    return tiny_model(mode, block_size, num_layers, seed, **{"parallel.recompute": recompute})
+def build(mode="block", block_size=3, num_layers=3, seed=0, recompute="none", **extra):
+    return tiny_model(
+        mode, block_size, num_layers, seed, **{"parallel.recompute": recompute}, **extra
+    )
+
+
+def compiled_build(mode, block_size):
+    """The tiny model as ``runtime.compile: layer`` builds it: the ops a region traces (SDPA,
+    the torch two-phase depth attention, torch's RMSNorm), each layer and the final aggregation
+    a compiled region (TorchDynamo's graphs through ``aot_eager``)."""
+    words = {
+        "runtime.compile": "layer",
+        "runtime.compile_backend": "aot_eager",
+        "model.attnres.impl": "twophase",
+        "runtime.fused_norm": "off",
+    }
+    cfg = load_config(None, tiny_overrides(mode, block_size, 3, **words))
+    runtime = select_runtime(cfg.runtime, cfg.model.attnres.impl)
+    return AttnResGPT(ModelBuilder(cfg.model, VOCAB, seed=0, runtime=runtime))
 
 
 def windows(count=2, batch=2, seed=0):
@@ -115,13 +135,22 @@ def rms(t):
     return t.detach().pow(2).mean().sqrt().item()
 
 
-@pytest.mark.parametrize("mode", ["block", "baseline"])
-def test_rms_and_weights_equal_direct_computation(tmp_path, mode):
-    model = build(mode, 3)
+@pytest.mark.parametrize(
+    ("mode", "compiled"), [("block", False), ("baseline", False), ("block", True)]
+)
+def test_rms_and_weights_equal_direct_computation(tmp_path, mode, compiled):
+    """``compiled``: the layers and the final aggregation as compiled regions (those of
+    ``runtime.compile: layer``, TorchDynamo's graphs through ``aot_eager``), compiled by an
+    unmeasured step first; the measured micro-batch runs them eagerly (the probe is Python
+    that a region does not trace) and the next micro-batch through the regions again."""
+    torch._dynamo.reset()
+    model = compiled_build(mode, 3) if compiled else build(mode, 3)
     randomize_mixers(model)
     micro = windows(2)
     with torch.no_grad():
         expected = naive_trace(twin(model, mode), micro[0][:, :-1])  # first micro-batch
+        if compiled:
+            model.loss(micro[1])  # compiles every region
     record = measured_step(model, tmp_path, micro)
     for got, want in zip(record["sublayers"], expected, strict=True):
         assert got["in_rms"] == pytest.approx(rms(want["x"]), rel=1e-5)

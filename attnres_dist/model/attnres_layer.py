@@ -161,8 +161,12 @@ class AttnResLayer(torch.nn.Module):
         config = self.layer.config
         ctx = sequence_context(config, like, self.rotary_base, self.rope_scaling_factor, seq_dim)
         ctx = with_layout(ctx, state.layout)
+        # a measured micro-batch runs eagerly, as the final aggregation's does: its hook is
+        # Python that a compiled region does not trace, and a region reads nothing that
+        # changes between training steps (model/compiled_region.py, SteadyGuards)
+        region = self._region if self.probe is None else self.sublayers
         with dropout_streams.layer_streams(self.layer_index, self.training and self.uses_dropout):
-            state = self._region(state, ctx)
+            state = region(state, ctx)
         return replace(state, layers_done=self.layer_index + 1)
 
     def sublayers(self, state: DepthState, ctx) -> DepthState:
