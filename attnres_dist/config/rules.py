@@ -201,6 +201,7 @@ def _validate_runtime(r: RuntimeConfig) -> None:
         ("compile", ("auto", "off", "layer")),
         ("cuda_graphs", ("auto", "off", "on")),
         ("compile_backend", ("inductor", "aot_eager", "eager")),
+        ("guards", ("auto", "steady", "full")),
     ):
         value = getattr(r, name)
         _require(
@@ -223,6 +224,12 @@ def _validate_compile(cfg: Config) -> None:
         "runtime.cuda_graphs",
         f"'on' is inductor's CUDA graph trees, but runtime.compile_backend="
         f"{cfg.runtime.compile_backend}; set runtime.compile_backend=inductor",
+    )
+    _require(
+        cfg.runtime.guards != "steady" or cfg.runtime.compile == "layer",
+        "runtime.guards",
+        f"'steady' applies to compiled layers, but runtime.compile={cfg.runtime.compile}; "
+        "set runtime.compile=layer or runtime.guards=auto",
     )
     if cfg.runtime.compile != "layer":
         return

@@ -143,6 +143,10 @@ class RuntimeConfig:
     # inductor | aot_eager | eager: the torch.compile backend of a compiled layer (torchtitan's
     # compile.backend); aot_eager traces forward and backward without generating code
     compile_backend: str = "inductor"
+    # auto | steady | full: the guards TorchDynamo evaluates on a compiled layer's call in a
+    # training step; steady: once a step compiled nothing, only those that tell cache entries
+    # apart (model/compiled_region.py, SteadyGuards); auto: steady when compiled
+    guards: str = "auto"
 
     def __post_init__(self):
         for name in ("fused_norm", "fused_optimizer", "compile", "cuda_graphs"):

@@ -15,9 +15,24 @@ trees, which share one memory pool, keep a graph per live-tensor path (several m
 flight, recompute) and read dropout's Philox seed and offset from the generator at replay, so
 re-seeding the streams before a replay holds. The engines mark each step's start
 (``torch.compiler.cudagraph_mark_step_begin``).
+
+``SteadyGuards`` (``runtime.guards: steady``): once a training step has run with every guard
+and compiled nothing, the following training steps run under TorchDynamo's
+``skip_guard_eval_unsafe`` stance, which evaluates only the guards that tell a code object's
+cache entries apart: the shapes, strides and dtypes of the non-parameter tensors a region takes,
+and every guard that has failed once (a layer's index, the train / eval mode after an
+evaluation compiled its entries). The rest (about 750 entries per region on Megatron's
+submodules' attributes and the parameters' metadata) checks what cannot change between training
+steps. What keeps that true: a region reads nothing from Python that varies between steps of
+one run (the diagnostics hook is tested outside the regions, ``AttnResLayer.apply_layer``), and
+any compile anywhere (an evaluation's first pass, a new shape) sends the next step back to
+every guard. Measured on the CPU proxy (``bench/host_bench.py``), guard evaluation was the
+largest part of what a compiled Block step's host time adds to the baseline's.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 
 def compile_region(fn, num_layers: int, backend: str = "inductor", cuda_graphs: bool = False):
@@ -31,3 +46,39 @@ def compile_region(fn, num_layers: int, backend: str = "inductor", cuda_graphs: 
     if cuda_graphs:
         options = {**(options or {}), "triton.cudagraphs": True}
     return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False, options=options)
+
+
+def _graphs_compiled() -> int:
+    """Graphs TorchDynamo has compiled in this process (its own counter)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+class SteadyGuards:
+    """The guard stance of each training step (module docstring); ``enabled=False``: every
+    guard, every step."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._steady_after: int | None = None  # the compile count a full-guard step ended at
+
+    @contextlib.contextmanager
+    def step(self):
+        if not self.enabled:
+            yield
+            return
+        import torch
+
+        compiled = _graphs_compiled()
+        if compiled == self._steady_after:
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                yield
+            return
+        yield
+        self._steady_after = compiled if _graphs_compiled() == compiled else None
+
+    @property
+    def steady(self) -> bool:
+        """Whether the next step runs under the steady stance (nothing compiled since)."""
+        return self.enabled and self._steady_after == _graphs_compiled()

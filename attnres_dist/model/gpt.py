@@ -176,6 +176,7 @@ class AttnResGPT(torch.nn.Module):
         # DeepSpeed moves the pipeline's parts to the GPU; the single-process model moves itself
         self.device = torch.device("cuda") if builder.runtime.on_gpu else torch.device("cpu")
         self.graphed = builder.runtime.graphed  # its engine marks each step for the graph trees
+        self.steady_guards = builder.runtime.steady_guards  # its engine's steps' guard stance
         self.to(self.device)
 
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:

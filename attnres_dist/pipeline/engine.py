@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from attnres_dist.config import Config
 from attnres_dist.data.device_copy import to_device
+from attnres_dist.model.compiled_region import SteadyGuards
 from attnres_dist.model.document_masks import loss_mask
 from attnres_dist.model.gpt import ModelBuilder
 from attnres_dist.optim import adam_class, build_optimizer
@@ -117,6 +118,7 @@ class PipelineEngine:
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
         self.cfg, self.dims = cfg, dims
         self.runtime = builder.runtime
+        self.guards = SteadyGuards(self.runtime.steady_guards)  # each training step's stance
         self.rank = launch.rank
         topology = PipeModelDataParallelTopology(num_pp=dims.pp, num_mp=dims.tp, num_dp=dims.dp)
         check_groups_agree(dims, topology, launch.rank)
@@ -232,7 +234,8 @@ class PipelineEngine:
         for the device: the trainer reads it on the steps it logs or saves)."""
         if self.runtime.graphed:  # a new generation of the CUDA graph trees (compile_region)
             torch.compiler.cudagraph_mark_step_begin()
-        return self.engine.train_batch(data_iter=self._iterator(micro_batches))
+        with self.guards.step():
+            return self.engine.train_batch(data_iter=self._iterator(micro_batches))
 
     def eval_loss(self, batches: list[torch.Tensor]) -> float:
         if self.runtime.graphed:

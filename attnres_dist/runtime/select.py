@@ -36,6 +36,10 @@ was measured to pay (``COMPILE_AUTO``): not on a CPU, where compiling the layers
 than a whole ``make train`` run gains (docs/compile.md), and not yet on a GPU, where it has
 not been measured.
 
+A compiled run's training steps evaluate only the guards that tell cache entries apart once a
+step has compiled nothing (``runtime.guards``: ``auto`` and ``steady``; ``full``: every guard,
+every step; ``model/compiled_region.py``, ``SteadyGuards``).
+
 CUDA graphs (``runtime.cuda_graphs: on``) replay each compiled layer as CUDA graph trees
 (``torch.compile``'s reduce-overhead, ``AttnResLayer.compile_region``); ``on`` needs
 ``runtime.compile: layer`` and a CUDA device, and ``auto`` leaves it out until the GPU check
@@ -83,6 +87,8 @@ class RuntimeChoice:
     cuda_graphs: Choice | None = None
     # inductor | aot_eager | eager: the compiled layers' backend (only when compiled)
     compile_backend: Choice | None = None
+    # steady | full: the guards evaluated in a training step (model/compiled_region.py)
+    guards: Choice | None = None
 
     @classmethod
     def reference(cls) -> RuntimeChoice:
@@ -125,6 +131,11 @@ class RuntimeChoice:
     def graphed(self) -> bool:
         """The compiled layers run as CUDA graph trees (``torch.compile``'s reduce-overhead)."""
         return self.cuda_graphs is not None and self.cuda_graphs.value == "on"
+
+    @property
+    def steady_guards(self) -> bool:
+        """Training steps evaluate only the guards telling cache entries apart (SteadyGuards)."""
+        return self.guards is not None and self.guards.value == "steady"
 
     @property
     def bf16(self) -> bool:
@@ -282,6 +293,7 @@ def select_runtime(runtime, depth_attention: str = "auto") -> RuntimeChoice:
     compiled = compile_choice.value == "layer"
     cuda_graphs = select_cuda_graphs(runtime.cuda_graphs, cuda, compiled)
     backend = Choice(runtime.compile_backend, "set in config") if compiled else None
+    guards = _guards(runtime.guards) if compiled else None
     layer_spec = _pick(
         p, "layer_spec", runtime.layer_spec, "te", "local", "local", "transformer_engine", "te"
     )
@@ -330,7 +342,17 @@ def select_runtime(runtime, depth_attention: str = "auto") -> RuntimeChoice:
         compile_choice,
         cuda_graphs,
         backend,
+        guards,
     )
+
+
+def _guards(requested: str) -> Choice:
+    """The guard stance of a compiled run's training steps (the config rules refuse steady
+    without compiled layers)."""
+    if requested == "full":
+        return Choice("full", "set in config; every guard on every call")
+    why = "a step that compiled nothing, then only the guards telling cache entries apart"
+    return Choice("steady", f"set in config; {why}" if requested == "steady" else f"auto: {why}")
 
 
 def _cpu_allocator(p: _Probes, requested: str) -> Choice:

@@ -11,6 +11,7 @@ import torch
 
 from attnres_dist.config import OptimConfig
 from attnres_dist.data.device_copy import to_device
+from attnres_dist.model.compiled_region import SteadyGuards
 from attnres_dist.model.gpt import AttnResGPT
 from attnres_dist.optim import build_optimizer
 
@@ -18,6 +19,7 @@ from attnres_dist.optim import build_optimizer
 class LocalEngine:
     def __init__(self, model: AttnResGPT, optim: OptimConfig, total_steps: int):
         self.model = model
+        self.guards = SteadyGuards(model.steady_guards)  # each training step's stance
         self.grad_clip = optim.grad_clip
         self.optimizer, self.scheduler = build_optimizer(model, optim, total_steps)
         self._grad_norm: torch.Tensor | None = None  # read as a number only when logged
@@ -31,10 +33,11 @@ class LocalEngine:
         total = torch.zeros((), dtype=torch.float64, device=self.device)  # as Python floats sum
         # on a GPU: queued copies from pinned memory, all before the first forward
         micro_batches = [to_device(window, self.device) for window in micro_batches]
-        for window in micro_batches:
-            loss = self.model.loss(window)
-            (loss / len(micro_batches)).backward()
-            total += loss.detach()
+        with self.guards.step():
+            for window in micro_batches:
+                loss = self.model.loss(window)
+                (loss / len(micro_batches)).backward()
+                total += loss.detach()
         if self.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         else:  # not clipped, but still logged
