@@ -17,7 +17,8 @@ not patched) by ones doing the same arithmetic with torch's multi-tensor ops:
   ``ds_pipe_replicated`` skipped, replicated parameters on tensor rank 0 only): which ones is
   fixed by the model, so the list is made once. A parameter that got no gradient this step
   is counted with its accumulator, which is zero, where DeepSpeed leaves it out: the same
-  sum. ``torch._foreach_norm``, then DeepSpeed's sum of squares over the model-parallel group.
+  sum. ``torch._foreach_norm``, then DeepSpeed's sum of squares over the model-parallel group
+  (skipped where that group is one rank: a sum over one rank changes nothing).
   The clip factor ``min(1, clip / (norm + 1e-6))`` multiplies the flat fp32 gradient buffers in one
   ``torch._foreach_mul_`` without being read (a factor of exactly 1 changes no bit, so this is
   DeepSpeed's clip). The rest of the step is DeepSpeed's, in its order.
@@ -72,6 +73,10 @@ class _Bookkeeping:
             for lps, hps in zip(opt.bf16_groups, opt.fp32_groups_gradients, strict=True)
         ]
         self.counted = self._counted_gradients()
+        # DeepSpeed sums the squares over the model-parallel group (stages and tensor ranks);
+        # over a group of one rank that all-reduce is a host round trip that changes nothing
+        group = None if opt.mpu is None else opt.mpu.get_model_parallel_group()
+        self.norm_group = group if group is not None and dist.get_world_size(group) > 1 else None
         opt.update_hp_grads = self.update_hp_grads
         opt.step = self.step
 
@@ -119,8 +124,8 @@ class _Bookkeeping:
         else:  # a rank may count nothing (only replicated parameters on tensor rank > 0)
             flat = opt.fp32_groups_gradients_flat[0]
             total = torch.zeros((), dtype=torch.float32, device=flat.device)
-        if opt.mpu is not None:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=opt.mpu.get_model_parallel_group())
+        if self.norm_group is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.norm_group)
         total = total.pow(0.5)
         mask_nan_or_inf_with_val_inplace(total, device=total.device)
         return total
