@@ -36,9 +36,8 @@ was measured to pay (``COMPILE_AUTO``): not on a CPU, where compiling the layers
 than a whole ``make train`` run gains (docs/compile.md), and not yet on a GPU, where it has
 not been measured.
 
-A compiled run's training steps evaluate only the guards that tell cache entries apart once a
-step has compiled nothing (``runtime.guards``: ``auto`` and ``steady``; ``full``: every guard,
-every step; ``model/compiled_region.py``, ``SteadyGuards``).
+A compiled run's training steps check only the guards telling cache entries apart once a step
+compiled nothing (``runtime.guards``: ``auto``, ``steady``; ``full``: all; ``SteadyGuards``).
 
 CUDA graphs (``runtime.cuda_graphs: on``) replay each compiled layer as CUDA graph trees
 (``torch.compile``'s reduce-overhead, ``AttnResLayer.compile_region``); ``on`` needs
@@ -87,8 +86,7 @@ class RuntimeChoice:
     cuda_graphs: Choice | None = None
     # inductor | aot_eager | eager: the compiled layers' backend (only when compiled)
     compile_backend: Choice | None = None
-    # steady | full: the guards evaluated in a training step (model/compiled_region.py)
-    guards: Choice | None = None
+    guards: Choice | None = None  # steady | full: the guards a training step evaluates
 
     @classmethod
     def reference(cls) -> RuntimeChoice:
@@ -347,8 +345,7 @@ def select_runtime(runtime, depth_attention: str = "auto") -> RuntimeChoice:
 
 
 def _guards(requested: str) -> Choice:
-    """The guard stance of a compiled run's training steps (the config rules refuse steady
-    without compiled layers)."""
+    """The guard stance of a compiled run's training steps (``steady`` needs compiled layers)."""
     if requested == "full":
         return Choice("full", "set in config; every guard on every call")
     why = "a step that compiled nothing, then only the guards telling cache entries apart"
