@@ -12,7 +12,7 @@
   backend) equal the eager model's with the same weights and ops within 1e-5 (fp32), for the
   baseline, Block with an uneven last block and Full, hidden and attention dropout 0.1 on (both
   draw the same masks: the layout-independent streams, and inductor's ``fallback_random``); so
-  do 2 training steps of a pp = 2 pipeline on each schedule against the eager single process
+  do 4 training steps of a pp = 2 pipeline on each schedule against the eager single process
   (1F1B with inductor, DualPipeV and interleaved with aot_eager: the same regions in other
   orders, without paying for code generation twice more), full recompute around compiled
   layers and ``attnres`` recompute inside them. A compiled run resumed from a checkpoint
@@ -263,13 +263,14 @@ def test_inductor_bf16_as_close_to_fp32_as_eager_bf16():
 
 
 # The pipeline case: Block with an uneven last block (the equivalence case), hidden dropout 0.1,
-# the ops a compiled layer runs; 2 optimizer steps: the second's forward reads the parameters
-# the first updated, so a compiled graph that kept stale weights would show.
+# the ops a compiled layer runs; 4 optimizer steps: the second's forward reads the parameters
+# the first updated, so a compiled graph that kept stale weights would show, and the third and
+# fourth run under steady guards (``runtime.guards: auto``; model/compiled_region.py).
 PIPELINE = {
     "model.attnres.impl": "twophase",
     "runtime.fused_norm": "off",
     "model.hidden_dropout": 0.1,
-    "train.steps": 2,
+    "train.steps": 4,
 }
 # 1F1B compiles with inductor (code generation across stages); the other schedules run the
 # same regions in other orders, which aot_eager's graphs (trace and autograd, no code
@@ -290,7 +291,7 @@ def eager_reference(small_dataset, tmp_path_factory):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_pipeline_compiled_matches_eager(schedule, eager_reference, small_dataset, tmp_path):
     """pp = 2 (torchrun, DeepSpeed's engine on each schedule), every layer compiled, against
-    the eager single-process run of the same ops: the losses of 2 optimizer steps and every
+    the eager single-process run of the same ops: the losses of 4 optimizer steps and every
     parameter after them within 1e-5 (the equivalence grids' tolerance)."""
     extra, backend = SCHEDULES[schedule]
     args = overrides(small_dataset, "block", str(tmp_path / "pp2"), pp=2, **PIPELINE)
@@ -303,7 +304,7 @@ def test_tensor_parallel_compiled_matches_eager(eager_reference, small_dataset, 
     """tp = 2 (torchrun, two processes), every layer compiled by inductor with its
     tensor-parallel all-reduces inside the graph (the row-parallel output's in forward, the
     column-parallel input gradient's in backward), against the eager single-process run: the
-    losses of 2 optimizer steps and every parameter after them within 1e-5. A reduction
+    losses of 4 optimizer steps and every parameter after them within 1e-5. A reduction
     missing from the graph leaves each rank with half the heads' contribution."""
     args = overrides(small_dataset, "block", str(tmp_path / "tp2"), tp=2, **PIPELINE)
     args = [*args, "runtime.compile=layer", "runtime.compile_backend=inductor"]
@@ -312,14 +313,14 @@ def test_tensor_parallel_compiled_matches_eager(eager_reference, small_dataset, 
 
 
 def test_resume_compiled_matches_uninterrupted_eager(eager_reference, small_dataset, tmp_path):
-    """One process, compiled: a run saves after each of its 2 steps, a fresh process resumes
-    compiled from the step-1 checkpoint and trains step 2. Both runs' losses and the resumed
+    """One process, compiled: a run saves after each of its 4 steps, a fresh process resumes
+    compiled from the step-1 checkpoint and trains steps 2-4. Both runs' losses and the resumed
     run's final parameters equal the uninterrupted eager run's within 1e-5: the resumed
     graphs read the weights and optimizer state the checkpoint restored. Dynamo's graphs run
     by the ``eager`` backend: what a resume could get wrong is in what the graphs read, not in
     the code a backend generates from them (inductor's and aot_eager's are checked above)."""
     compiled = ["runtime.compile=layer", "runtime.compile_backend=eager"]
-    saving = {**PIPELINE, "checkpoint.every": 1}
+    saving = {**PIPELINE, "checkpoint.every": 1, "checkpoint.keep_last": 4}
     first_dir, resumed_dir = tmp_path / "first", tmp_path / "resumed"
     first = train_case(
         tmp_path,
@@ -331,6 +332,6 @@ def test_resume_compiled_matches_uninterrupted_eager(eager_reference, small_data
     start = {"checkpoint.resume": str(first_dir / "checkpoints" / store.step_name(1))}
     args = overrides(small_dataset, "block", str(resumed_dir), **PIPELINE, **start)
     resumed = train_case(tmp_path, "resumed", [*args, *compiled], 1)
-    assert len(resumed["losses"]) == 1  # step 2 only: it did resume
+    assert len(resumed["losses"]) == 3  # steps 2-4 only: it did resume
     reference = {**eager_reference, "losses": eager_reference["losses"][1:]}
     assert_matches(resumed, reference, "compile resumed pp1 block")
