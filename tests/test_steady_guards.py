@@ -6,8 +6,8 @@ again (``model/compiled_region.py``, ``SteadyGuards``). The reference is the sam
 with every guard on every step (``runtime.guards: full``), and the eager run of the same ops:
 
 * the single-process engine, Block with an uneven last block, hidden and attention dropout on,
-  an evaluation between steps 3 and 4 (its first pass compiles the eval-mode entries), a
-  diagnostics step (its layers run eagerly): the stance of each step is the rule's, and the
+  without recompute and with full-layer recompute, an evaluation between steps 3 and 4 (its
+  first pass compiles the eval-mode entries), a diagnostics step (its layers run eagerly): the stance of each step is the rule's, and the
   losses and final parameters equal the every-guard run's bitwise and the eager run's within
   1e-5;
 * DeepSpeed's pipeline engine at pp = 1 (bf16, the CPU proxy's step): the losses and the fp32
@@ -45,8 +45,9 @@ def launch():
     return init_distributed(ParallelDims(), seed=0, device="cpu")
 
 
-def _words(guards: str, compile: str = "layer") -> dict:
+def _words(guards: str, compile: str = "layer", recompute: str = "none") -> dict:
     return {
+        "parallel.recompute": recompute,
         "runtime.compile": compile,
         "runtime.compile_backend": "aot_eager",
         "runtime.guards": guards if compile == "layer" else "auto",
@@ -61,12 +62,14 @@ def _window(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(step))
 
 
-def local_run(guards: str, tmp_path, compile: str = "layer"):
+def local_run(guards: str, tmp_path, compile: str = "layer", recompute: str = "none"):
     """(stance before each step, losses, final parameters) of the single-process engine."""
     torch._dynamo.reset()
-    cfg = load_config(None, tiny_overrides("block", 4, 3, **_words(guards, compile)))
+    words = _words(guards, compile, recompute)
+    cfg = load_config(None, tiny_overrides("block", 4, 3, **words))
     runtime = select_runtime(cfg.runtime, cfg.model.attnres.impl)
-    model = AttnResGPT(ModelBuilder(cfg.model, VOCAB, seed=0, runtime=runtime))
+    builder = ModelBuilder(cfg.model, VOCAB, seed=0, runtime=runtime)
+    model = AttnResGPT(builder, cfg.parallel.recompute, cfg.parallel.recompute_interval)
     randomize_mixers(model)
     engine = LocalEngine(model, cfg.optim, STEPS)
     diagnostics = Diagnostics(MEASURED, engine, model.plan, run_dir=tmp_path / guards)
@@ -86,10 +89,13 @@ def local_run(guards: str, tmp_path, compile: str = "layer"):
     return stance, torch.stack(losses), params
 
 
-def test_single_process_steady_steps_equal_every_guard_steps(launch, tmp_path):
-    stance, losses, params = local_run("steady", tmp_path)
-    full_stance, full_losses, full_params = local_run("full", tmp_path)
-    _, eager_losses, eager_params = local_run("full", tmp_path, compile="off")
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_single_process_steady_steps_equal_every_guard_steps(launch, tmp_path, recompute):
+    """``recompute: full``: each layer's region runs without gradients in forward and again
+    with them in backward, two cache entries told apart by the grad mode."""
+    stance, losses, params = local_run("steady", tmp_path, recompute=recompute)
+    full_stance, full_losses, full_params = local_run("full", tmp_path, recompute=recompute)
+    _, eager_losses, eager_params = local_run("full", tmp_path, "off", recompute)
     assert stance == EXPECTED_STANCE
     assert not any(full_stance)
     assert torch.equal(losses, full_losses)
