@@ -7,9 +7,9 @@ with every guard on every step (``runtime.guards: full``), and the eager run of 
 
 * the single-process engine, Block with an uneven last block, hidden and attention dropout on,
   without recompute and with full-layer recompute, an evaluation between steps 3 and 4 (its
-  first pass compiles the eval-mode entries), a diagnostics step (its layers run eagerly): the stance of each step is the rule's, and the
-  losses and final parameters equal the every-guard run's bitwise and the eager run's within
-  1e-5;
+  first pass compiles the eval-mode entries), a diagnostics step (its layers run eagerly): the
+  stance of each step is the rule's, and the losses and final parameters equal the
+  every-guard run's bitwise and the eager run's within 1e-5;
 * DeepSpeed's pipeline engine at pp = 1 (bf16, the CPU proxy's step): the losses and the fp32
   master weights of 5 steps equal the every-guard run's bitwise.
 * ``runtime.guards: steady`` without compiled layers is refused, naming the field.
