@@ -25,7 +25,7 @@ import torch
 from attnres_dist.model.sdpa_attention import SdpaAttention, SdpaSelfAttention
 from attnres_dist.model.traceable_linear import TraceableRowParallelLinear
 from attnres_dist.ops.cpu_rms_norm import CpuRMSNorm  # Megatron's norm signature
-from attnres_dist.runtime.select import RuntimeChoice
+from attnres_dist.runtime.choice import RuntimeChoice
 
 
 def layer_spec(choice: RuntimeChoice):

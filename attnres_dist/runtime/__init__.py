@@ -6,6 +6,7 @@ turns a choice into its layer spec (``attnres_dist.model.layer_specs``) and the 
 their optimizer (``attnres_dist.optim.adam_class``).
 """
 
-from attnres_dist.runtime.select import Choice, RuntimeChoice, select_runtime
+from attnres_dist.runtime.choice import Choice, RuntimeChoice
+from attnres_dist.runtime.select import select_runtime
 
 __all__ = ["Choice", "RuntimeChoice", "select_runtime"]
