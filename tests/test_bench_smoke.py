@@ -274,10 +274,12 @@ def test_host_bench_smoke(tmp_path):
     assert (tmp_path / "host.json").exists()
     modes = ("baseline", "block", "full", "plain")
     names = {f"{m}_{t}" for m in modes for t in ("eager", "compiled")}
-    assert set(result["variants"]) == names
+    assert set(result["variants"]) == names | {"baseline_every_guard", "block_every_guard"}
     for v in result["variants"].values():
         assert v["host_ms"] > 0 and v["wall_ms"] > 0 and v["aten_ops"] > 0
     assert len(result["ratios"]) == 6
     assert all(r["host"]["ratio"] > 0 and r["ops"] > 0 for r in result["ratios"].values())
     text = "\n".join(host_bench.markdown(result))
     assert "| Block / baseline, host time |" in text and "<= 1.1 |" in text
+    assert set(result["steady_over_every_guard"]) == {"baseline", "block"}
+    assert "steady guards" in text

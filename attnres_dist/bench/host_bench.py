@@ -4,7 +4,9 @@ At the 125M shape on a GPU the step is bound by the host (Python, autograd, one 
 op), not by the GPU. Shrinking the arithmetic to almost nothing (12 layers x 64, one sequence
 of 8 tokens, one thread) leaves, on a CPU, what the host does per step: that is measured
 here, side by side in one process, for baseline, Block and Full AttnRes and a plain-PyTorch GPT
-of the same shape (``plain_gpt.PlainGPT``), each eager and compiled.
+of the same shape (``plain_gpt.PlainGPT``), each eager and compiled; baseline and Block also
+compiled with every guard on every call (``runtime.guards: full``) beside the steady guards
+that ``auto`` takes (``model/compiled_region.py``).
 
 What one step is:
 
@@ -72,26 +74,32 @@ STEP = (
     "runtime.fused_norm=off",
 )
 MODES = {"baseline": "baseline", "block": "block", "full": "full"}
+EVERY_GUARD = ("baseline", "block")  # also run compiled with runtime.guards: full
 FLOORS = {"block_over_baseline_host": 1.10, "block_over_baseline_ops": 1.2}
 FLOOR_BASELINE_OVER_PLAIN = 1.2
 
 
-def _config(mode: str, compiled: bool, shape: tuple[str, ...]):
+def _config(mode: str, compiled: bool, shape: tuple[str, ...], guards: str = "auto"):
     from attnres_dist.config import load_config
 
     words = [*shape, *STEP, f"model.attnres.mode={mode}"]
     words.append(f"runtime.compile={'layer' if compiled else 'off'}")
+    if compiled:
+        words.append(f"runtime.guards={guards}")
     return load_config(CONFIG, words)
 
 
-def engine_step(mode: str, compiled: bool, backend: str, shape: tuple[str, ...], launch):
-    """(step function, window) of our bf16 engine at pp = 1 for ``mode``."""
+def engine_step(
+    mode: str, compiled: bool, backend: str, shape: tuple[str, ...], launch, guards: str = "auto"
+):
+    """The step function of our bf16 engine at pp = 1 for ``mode`` (``guards``: the compiled
+    steps' ``runtime.guards``)."""
     from attnres_dist.model.gpt import ModelBuilder, compile_regions
     from attnres_dist.parallel.dims import ParallelDims
     from attnres_dist.pipeline.engine import PipelineEngine
     from attnres_dist.runtime import select_runtime
 
-    cfg = _config(mode, compiled, shape)
+    cfg = _config(mode, compiled, shape, guards)
     runtime = select_runtime(cfg.runtime, cfg.model.attnres.impl)
     builder = ModelBuilder(cfg.model, VOCAB, seed=0, runtime=runtime)
     engine = PipelineEngine(cfg, builder, ParallelDims(), launch)
@@ -158,11 +166,12 @@ def run(
 
     launch = init_distributed(ParallelDims(), seed=0, device="cpu")
     # every compiled model's layers share one region code object: a cache entry per layer and
-    # mode of all three models (compile_region allows for one model's)
+    # mode of every compiled model here (compile_region allows for one model's)
     layers = int(_config("baseline", False, shape).model.num_layers)
     torch._dynamo.reset()  # no cache entries of models compiled before (make bench's others)
     config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, 2 * len(MODES) * layers + 8)
+    models = len(MODES) + len(EVERY_GUARD)
+    config.recompile_limit = max(config.recompile_limit, 2 * models * layers + 8)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     threads = torch.get_num_threads()
@@ -177,9 +186,15 @@ def run(
             for name, mode in MODES.items():
                 variants[f"{name}_{tag}"] = engine_step(mode, compiled, backend, shape, launch)
             variants[f"plain_{tag}"] = plain_step(compiled, backend, shape)
+        for name in EVERY_GUARD:  # the compiled steps without the steady stance
+            variants[f"{name}_every_guard"] = engine_step(
+                MODES[name], True, backend, shape, launch, guards="full"
+            )
         for step in variants.values():  # compiles, and settles allocator and caches
             for _ in range(warmup):
                 step(window)
+        for step in variants.values():  # after the last compile: a steady engine's
+            step(window)  # every-guard step that compiles nothing (SteadyGuards)
         names = list(variants)
         samples = {n: {"host_ms": [], "wall_ms": []} for n in names}
         for r in range(reps):
@@ -213,6 +228,10 @@ def run(
         "samples": samples,
     }
     result["ratios"] = ratios(samples, ops)
+    result["steady_over_every_guard"] = {
+        name: _ratio(samples, f"{name}_compiled", f"{name}_every_guard", "host_ms")
+        for name in EVERY_GUARD
+    }
     (out / "host.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 
@@ -276,6 +295,15 @@ def markdown(result: dict) -> list[str]:
         f"| <= {FLOOR_BASELINE_OVER_PLAIN} |",
         f"| baseline / plain GPT, aten ops | {base_e['ops']:.2f} | {base_c['ops']:.2f} | |",
     ]
+    guards = result.get("steady_over_every_guard")
+    if guards:
+        lines += [
+            "",
+            "Compiled, host time with steady guards (`runtime.guards: auto`) over every guard "
+            "on every call (`full`): "
+            + ", ".join(f"{name} {_cell(r)}" for name, r in guards.items())
+            + ".",
+        ]
     return lines
 
 
