@@ -12,7 +12,8 @@ with every guard on every step (``runtime.guards: full``), and the eager run of 
   every-guard run's bitwise and the eager run's within 1e-5;
 * DeepSpeed's pipeline engine at pp = 1 (bf16, the CPU proxy's step): the losses and the fp32
   master weights of 5 steps equal the every-guard run's bitwise.
-* ``runtime.guards: steady`` without compiled layers is refused, naming the field.
+* ``runtime.guards: steady`` without compiled layers is refused, naming the field; the
+  ``runtime:`` line names the choice.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from attnres_dist.config import load_config
+from attnres_dist.config import RuntimeConfig, load_config
 from attnres_dist.diagnostics.collector import Diagnostics
 from attnres_dist.errors import ConfigError
 from attnres_dist.model import dropout_streams
@@ -146,3 +147,14 @@ def test_pipeline_engine_steady_steps_equal_every_guard_steps(launch):
 def test_steady_needs_compiled_layers():
     with pytest.raises(ConfigError, match=r"runtime\.guards.*runtime\.compile=layer"):
         load_config(None, tiny_overrides("block", 4, 3, **{"runtime.guards": "steady"}))
+
+
+def test_the_runtime_line_names_the_guards():
+    """``auto`` takes steady guards with compiled layers, ``full`` is honoured, and an eager run
+    has no guard choice at all (nothing is compiled)."""
+    compiled = select_runtime(RuntimeConfig(compile="layer"))
+    assert compiled.steady_guards and "guards=steady (auto: " in compiled.describe()
+    full = select_runtime(RuntimeConfig(compile="layer", guards="full"))
+    assert not full.steady_guards and "guards=full (set in config" in full.describe()
+    eager = select_runtime(RuntimeConfig())
+    assert eager.guards is None and not eager.steady_guards and "guards=" not in eager.describe()
