@@ -34,7 +34,7 @@ from attnres_dist.checkpoint import store
 from attnres_dist.config import load_config
 from attnres_dist.errors import ConfigError
 from attnres_dist.model import dropout_streams
-from attnres_dist.model.gpt import AttnResGPT, ModelBuilder, compile_regions
+from attnres_dist.model.gpt import AttnResGPT, compile_regions
 from attnres_dist.model.sequence_context import sequence_context
 from attnres_dist.ops import cpu_rms_norm
 from attnres_dist.parallel.dims import ParallelDims
@@ -46,7 +46,7 @@ from tests.equivalence_helpers import (
     single_process_reference,
     train_case,
 )
-from tests.tiny_model import VOCAB, randomize_mixers, tiny_overrides
+from tests.tiny_model import VOCAB, build_selected, randomize_mixers, tiny_overrides
 
 # (mode, block size): 3 layers = 6 sublayers, so block size 4 leaves an uneven last block
 MODES = [("baseline", 2), ("block", 4), ("full", 1)]
@@ -64,9 +64,7 @@ def build(mode: str, block_size: int, compile: str = "off", **extra) -> AttnResG
     dropout = {"model.hidden_dropout": 0.1, "model.attention_dropout": 0.1}
     extra = {**dropout, "runtime.compile": compile, **ops, **extra}
     cfg = load_config(None, tiny_overrides(mode, block_size, 3, **extra))
-    choice = select_runtime(cfg.runtime, cfg.model.attnres.impl)
-    builder = ModelBuilder(cfg.model, VOCAB, seed=0, runtime=choice)
-    model = AttnResGPT(builder, cfg.parallel.recompute, cfg.parallel.recompute_interval)
+    model = build_selected(cfg)
     randomize_mixers(model)
     return model.train()
 

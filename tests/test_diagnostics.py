@@ -23,16 +23,21 @@ from attnres_dist.config import OptimConfig, load_config
 from attnres_dist.diagnostics.collector import FILENAME, Diagnostics
 from attnres_dist.diagnostics.grads import sublayer_of
 from attnres_dist.errors import ConfigError
-from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
 from attnres_dist.model.sequence_context import sequence_context
 from attnres_dist.ops import depth_attention_reference
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
-from attnres_dist.runtime.select import select_runtime
 from attnres_dist.train.local_engine import LocalEngine
 from attnres_dist.train.trainer import Trainer
 from tests.conftest import run_job
-from tests.tiny_model import VOCAB, naive_sources, naive_sublayer, randomize_mixers, tiny_overrides
+from tests.tiny_model import (
+    VOCAB,
+    build_selected,
+    naive_sources,
+    naive_sublayer,
+    randomize_mixers,
+    tiny_overrides,
+)
 from tests.tiny_model import build as tiny_model
 
 
@@ -57,9 +62,7 @@ def compiled_build(mode, block_size):
         "model.attnres.impl": "twophase",
         "runtime.fused_norm": "off",
     }
-    cfg = load_config(None, tiny_overrides(mode, block_size, 3, **words))
-    runtime = select_runtime(cfg.runtime, cfg.model.attnres.impl)
-    return AttnResGPT(ModelBuilder(cfg.model, VOCAB, seed=0, runtime=runtime))
+    return build_selected(load_config(None, tiny_overrides(mode, block_size, 3, **words)))
 
 
 def windows(count=2, batch=2, seed=0):

@@ -26,12 +26,12 @@ from attnres_dist.config import RuntimeConfig, load_config
 from attnres_dist.diagnostics.collector import Diagnostics
 from attnres_dist.errors import ConfigError
 from attnres_dist.model import dropout_streams
-from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
+from attnres_dist.model.gpt import ModelBuilder
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
 from attnres_dist.runtime.select import select_runtime
 from attnres_dist.train.local_engine import LocalEngine
-from tests.tiny_model import VOCAB, randomize_mixers, tiny_overrides
+from tests.tiny_model import VOCAB, build_selected, randomize_mixers, tiny_overrides
 
 STEPS = 6
 EVAL_AFTER = 3  # an evaluation between steps 3 and 4
@@ -68,9 +68,7 @@ def local_run(guards: str, tmp_path, compile: str = "layer", recompute: str = "n
     torch._dynamo.reset()
     words = _words(guards, compile, recompute)
     cfg = load_config(None, tiny_overrides("block", 4, 3, **words))
-    runtime = select_runtime(cfg.runtime, cfg.model.attnres.impl)
-    builder = ModelBuilder(cfg.model, VOCAB, seed=0, runtime=runtime)
-    model = AttnResGPT(builder, cfg.parallel.recompute, cfg.parallel.recompute_interval)
+    model = build_selected(cfg)
     randomize_mixers(model)
     engine = LocalEngine(model, cfg.optim, STEPS)
     diagnostics = Diagnostics(MEASURED, engine, model.plan, run_dir=tmp_path / guards)

@@ -1,7 +1,8 @@
 """A tiny AttnRes GPT for single-process model tests, and the definitions it is checked on.
 
 ``build`` makes the model (3 layers x 32, 4 heads, 12 positions, random weights from ``seed``)
-for a residual mode and block size, ``randomize_mixers`` gives every depth-attention query and
+for a residual mode and block size (``build_selected``: from a config, on the runtime it
+selects), ``randomize_mixers`` gives every depth-attention query and
 key-norm gain non-trivial values (the initial zero queries mix uniformly). ``naive_sources`` and
 ``naive_sublayer`` are DESIGN.md section 2 written out: the sources sublayer ``i`` attends over
 (the embedding, every completed block's sum, the partial block's sum), formed from scratch from
@@ -15,6 +16,7 @@ import torch
 
 from attnres_dist.config import load_config
 from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
+from attnres_dist.runtime.select import select_runtime
 
 VOCAB = 257
 
@@ -35,6 +37,17 @@ def build(mode="block", block_size=2, num_layers=3, seed=0, **extra) -> AttnResG
     cfg = load_config(None, tiny_overrides(mode, block_size, num_layers, **extra))
     return AttnResGPT(
         ModelBuilder(cfg.model, VOCAB, seed=seed),
+        cfg.parallel.recompute,
+        cfg.parallel.recompute_interval,
+    )
+
+
+def build_selected(cfg, seed: int = 0) -> AttnResGPT:
+    """The model of ``cfg`` on the runtime ``select_runtime`` picks for it, as the trainer
+    builds it (compiled regions where ``runtime.compile`` says so), recompute from the config."""
+    runtime = select_runtime(cfg.runtime, cfg.model.attnres.impl)
+    return AttnResGPT(
+        ModelBuilder(cfg.model, VOCAB, seed=seed, runtime=runtime),
         cfg.parallel.recompute,
         cfg.parallel.recompute_interval,
     )
