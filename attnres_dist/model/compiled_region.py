@@ -70,13 +70,13 @@ class SteadyGuards:
         if not self.enabled:
             yield
             return
-        import torch
+        if self.steady:
+            import torch
 
-        compiled = _graphs_compiled()
-        if compiled == self._steady_after:
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
                 yield
             return
+        compiled = _graphs_compiled()
         yield
         self._steady_after = compiled if _graphs_compiled() == compiled else None
 
