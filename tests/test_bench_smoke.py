@@ -258,8 +258,8 @@ def test_compile_bench_smoke(tmp_path):
 
 
 def test_host_bench_smoke(tmp_path):
-    """Every variant (ours on DeepSpeed's bf16 engine and the plain GPT, eager and compiled)
-    steps, its aten ops are counted, and the ratios and the summary's floors are there
+    """Every variant (ours on DeepSpeed's bf16 engine, eager, per layer and per chunk; the
+    plain GPT eager, per block and whole) steps, its aten ops are counted, and the ratios and the summary's floors are there
     (aot_eager: no code generation; 2 layers)."""
     from attnres_dist.bench import host_bench
 
@@ -272,14 +272,16 @@ def test_host_bench_smoke(tmp_path):
     )
     result = host_bench.run(tmp_path, backend="aot_eager", reps=2, steps=1, warmup=1, shape=shape)
     assert (tmp_path / "host.json").exists()
-    modes = ("baseline", "block", "full", "plain")
-    names = {f"{m}_{t}" for m in modes for t in ("eager", "compiled")}
+    modes = ("baseline", "block", "full")
+    names = {f"{m}_{t}" for m in modes for t in ("eager", "compiled", "chunk")}
+    names |= {"plain_eager", "plain_compiled", "plain_whole"}
     assert set(result["variants"]) == names | {"baseline_every_guard", "block_every_guard"}
     for v in result["variants"].values():
         assert v["host_ms"] > 0 and v["wall_ms"] > 0 and v["aten_ops"] > 0
-    assert len(result["ratios"]) == 6
+    assert len(result["ratios"]) == 10
     assert all(r["host"]["ratio"] > 0 and r["ops"] > 0 for r in result["ratios"].values())
     text = "\n".join(host_bench.markdown(result))
     assert "| Block / baseline, host time |" in text and "<= 1.1 |" in text
+    assert "| baseline per chunk / plain GPT whole, host time |" in text
     assert set(result["steady_over_every_guard"]) == {"baseline", "block"}
     assert "steady guards" in text

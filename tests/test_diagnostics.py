@@ -52,12 +52,13 @@ def build(mode="block", block_size=3, num_layers=3, seed=0, recompute="none", **
     )
 
 
-def compiled_build(mode, block_size):
-    """The tiny model as ``runtime.compile: layer`` builds it: the ops a region traces (SDPA,
-    the torch two-phase depth attention, torch's RMSNorm), each layer and the final aggregation
-    a compiled region (TorchDynamo's graphs through ``aot_eager``)."""
+def compiled_build(mode, block_size, compile="layer"):
+    """The tiny model as ``runtime.compile`` (``layer`` or ``chunk``) builds it: the ops a
+    region traces (SDPA, the torch two-phase depth attention, torch's RMSNorm), each layer (or
+    all three in one) and the final aggregation a compiled region (TorchDynamo's graphs through
+    ``aot_eager``)."""
     words = {
-        "runtime.compile": "layer",
+        "runtime.compile": compile,
         "runtime.compile_backend": "aot_eager",
         "model.attnres.impl": "twophase",
         "runtime.fused_norm": "off",
@@ -139,20 +140,22 @@ def rms(t):
 
 
 @pytest.mark.parametrize(
-    ("mode", "compiled"), [("block", False), ("baseline", False), ("block", True)]
+    ("mode", "compiled"),
+    [("block", "off"), ("baseline", "off"), ("block", "layer"), ("block", "chunk")],
 )
 def test_rms_and_weights_equal_direct_computation(tmp_path, mode, compiled):
-    """``compiled``: the layers and the final aggregation as compiled regions (those of
-    ``runtime.compile: layer``, TorchDynamo's graphs through ``aot_eager``), compiled by an
-    unmeasured step first; the measured micro-batch runs them eagerly (the probe is Python
-    that a region does not trace) and the next micro-batch through the regions again."""
+    """``compiled``: the layers (each, or all in one run) and the final aggregation as
+    compiled regions (those of ``runtime.compile``, TorchDynamo's graphs through
+    ``aot_eager``), compiled by an unmeasured step first; the measured micro-batch runs them
+    eagerly (the probe is Python that a region does not trace) and the next micro-batch
+    through the regions again."""
     torch._dynamo.reset()
-    model = compiled_build(mode, 3) if compiled else build(mode, 3)
+    model = build(mode, 3) if compiled == "off" else compiled_build(mode, 3, compiled)
     randomize_mixers(model)
     micro = windows(2)
     with torch.no_grad():
         expected = naive_trace(twin(model, mode), micro[0][:, :-1])  # first micro-batch
-        if compiled:
+        if compiled != "off":
             model.loss(micro[1])  # compiles every region
     record = measured_step(model, tmp_path, micro)
     for got, want in zip(record["sublayers"], expected, strict=True):

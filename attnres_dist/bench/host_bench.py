@@ -4,9 +4,13 @@ At the 125M shape on a GPU the step is bound by the host (Python, autograd, one 
 op), not by the GPU. Shrinking the arithmetic to almost nothing (12 layers x 64, one sequence
 of 8 tokens, one thread) leaves, on a CPU, what the host does per step: that is measured
 here, side by side in one process, for baseline, Block and Full AttnRes and a plain-PyTorch GPT
-of the same shape (``plain_gpt.PlainGPT``), each eager and compiled; baseline and Block also
-compiled with every guard on every call (``runtime.guards: full``) beside the steady guards
-that ``auto`` takes (``model/compiled_region.py``).
+of the same shape (``plain_gpt.PlainGPT``), each eager, compiled per layer
+(``runtime.compile: layer``) and compiled per chunk (``chunk``: here the whole model's 12
+layers one graph); the plain GPT compiled per block (torchtitan's ``apply_compile``) and
+whole (``torch.compile`` of its loss: embedding, blocks, head and loss one graph, the GPU
+check's anchor). Baseline and Block are also compiled per layer with every guard on every call
+(``runtime.guards: full``) beside the steady guards that ``auto`` takes
+(``model/compiled_region.py``).
 
 What one step is:
 
@@ -16,24 +20,25 @@ What one step is:
   AdamW step, the LR schedule, the loss returned as a float). The engine's bookkeeping is part
   of what is measured, since removing it where it does nothing is part of the point. The ops
   are those a compiled layer traces (``twophase`` depth attention, torch's RMSNorm, SDPA) in
-  both eager and compiled (``runtime.compile: layer``) runs: what ``auto`` runs on a GPU,
-  less the GPU-only kernels;
+  eager and compiled runs alike: what a compiled run does on a GPU, less the GPU-only
+  kernels;
 * the plain GPT: an ordinary torch loop (``zero_grad``, loss, ``backward``,
   ``clip_grad_norm_``, fused ``torch.optim.AdamW``); compiled: ``torch.compile`` of each
-  block, as torchtitan's ``apply_compile``. fp32 weights, bf16 arithmetic (``torch.autocast``,
-  as a torchtitan bf16 run computes): a CPU without bf16 matrix instructions takes ~8x as
-  long for a bf16 matmul of this shape as for an fp32 one (105 against 13 us for
-  ``[8, 64] x [64, 192]``), 144 of them a step, which is arithmetic a GPU does not pay. With
-  both sides in bf16 that arithmetic is in both host times, not counted as ours alone.
+  block, as torchtitan's ``apply_compile``, or of the whole loss. fp32 weights, bf16
+  arithmetic (``torch.autocast``, as a torchtitan bf16 run computes): a CPU without bf16
+  matrix instructions takes ~8x as long for a bf16 matmul of this shape as for an fp32 one
+  (105 against 13 us for ``[8, 64] x [64, 192]``), 144 of them a step, which is arithmetic a
+  GPU does not pay. With both sides in bf16 that arithmetic is in both host times, not
+  counted as ours alone.
 
 Measured per variant: ``host_ms``, the process's CPU time per step (one thread: the host's
 work, less sensitive than wall time to waiting for a core on a shared machine) and
 ``wall_ms``, medians; and ``aten_ops``, aten calls per step that the profiler sees at the top
 (``compile_bench.top_level_aten_calls``: from Python or from compiled code, not inside an op).
 The variants run interleaved, the order rotating each repetition, and the ratios are paired
-(``bench/paired.py``) with their 95% intervals. The floors (issue 36) are checked on the
-compiled path: Block / baseline <= 1.10 in host time and <= 1.2 in aten ops, and the compiled
-baseline within 1.2x of the compiled plain GPT's host time.
+(``bench/paired.py``) with their 95% intervals. The floors (issue 36), on each compiled path:
+Block / baseline <= 1.10 in host time and <= 1.2 in aten ops, and the compiled baseline
+within 1.2x of the compiled plain GPT's host time.
 
 ``run(out_dir)`` writes ``out_dir/host.json`` and returns it.
 Usage: ``python -m attnres_dist.bench.host_bench --out DIR [--backend inductor] [--reps N]``
@@ -74,51 +79,58 @@ STEP = (
     "runtime.fused_norm=off",
 )
 MODES = {"baseline": "baseline", "block": "block", "full": "full"}
+# variant tag -> runtime.compile: eager, one graph per layer, one graph per chunk
+COMPILES = {"eager": "off", "compiled": "layer", "chunk": "chunk"}
+# plain GPT variant tag -> how it compiles: not, each block, the whole loss
+PLAIN = {"eager": "off", "compiled": "block", "whole": "whole"}
 EVERY_GUARD = ("baseline", "block")  # also run compiled with runtime.guards: full
 FLOORS = {"block_over_baseline_host": 1.10, "block_over_baseline_ops": 1.2}
 FLOOR_BASELINE_OVER_PLAIN = 1.2
 
 
-def _config(mode: str, compiled: bool, shape: tuple[str, ...], guards: str = "auto"):
+def _config(
+    mode: str, compile: str, shape: tuple[str, ...], guards: str = "auto", backend="inductor"
+):
     from attnres_dist.config import load_config
 
-    words = [*shape, *STEP, f"model.attnres.mode={mode}"]
-    words.append(f"runtime.compile={'layer' if compiled else 'off'}")
-    if compiled:
-        words.append(f"runtime.guards={guards}")
+    words = [*shape, *STEP, f"model.attnres.mode={mode}", f"runtime.compile={compile}"]
+    if compile != "off":
+        words += [f"runtime.guards={guards}", f"runtime.compile_backend={backend}"]
     return load_config(CONFIG, words)
 
 
 def engine_step(
-    mode: str, compiled: bool, backend: str, shape: tuple[str, ...], launch, guards: str = "auto"
+    mode: str, compile: str, backend: str, shape: tuple[str, ...], launch, guards: str = "auto"
 ):
-    """The step function of our bf16 engine at pp = 1 for ``mode`` (``guards``: the compiled
-    steps' ``runtime.guards``)."""
-    from attnres_dist.model.gpt import ModelBuilder, compile_regions
+    """The step function of our bf16 engine at pp = 1 for ``mode`` and ``runtime.compile``
+    (``guards``: the compiled steps' ``runtime.guards``)."""
+    from attnres_dist.model.gpt import ModelBuilder
     from attnres_dist.parallel.dims import ParallelDims
     from attnres_dist.pipeline.engine import PipelineEngine
     from attnres_dist.runtime import select_runtime
 
-    cfg = _config(mode, compiled, shape, guards)
+    cfg = _config(mode, compile, shape, guards, backend)
     runtime = select_runtime(cfg.runtime, cfg.model.attnres.impl)
     builder = ModelBuilder(cfg.model, VOCAB, seed=0, runtime=runtime)
     engine = PipelineEngine(cfg, builder, ParallelDims(), launch)
-    if compiled and backend != "inductor":  # before the first step: nothing compiled yet
-        compile_regions(engine.module, backend)
     return lambda window: engine.train_step([window])
 
 
-def plain_step(compiled: bool, backend: str, shape: tuple[str, ...]):
-    """The plain GPT's ordinary torch training step (module docstring)."""
+def plain_step(compile: str, backend: str, shape: tuple[str, ...]):
+    """The plain GPT's ordinary torch training step (module docstring); ``compile``: ``off``,
+    ``block`` (each block one graph) or ``whole`` (the loss one graph)."""
     from attnres_dist.bench.plain_gpt import PlainGPT
     from attnres_dist.optim import param_groups
 
-    cfg = _config("baseline", False, shape)
+    cfg = _config("baseline", "off", shape)
     torch.manual_seed(0)
     model = PlainGPT(cfg.model, VOCAB).train()
-    if compiled:  # torchtitan's apply_compile: each block one graph
+    loss_fn = model.loss
+    if compile == "block":  # torchtitan's apply_compile: each block one graph
         for block in model.blocks:
             block.compile(backend=backend, fullgraph=True)
+    elif compile == "whole":
+        loss_fn = torch.compile(model.loss, backend=backend, fullgraph=True)
     o = cfg.optim
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
@@ -128,7 +140,7 @@ def plain_step(compiled: bool, backend: str, shape: tuple[str, ...]):
     def step(window):
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 arithmetic, as ours
-            loss = model.loss(window)
+            loss = loss_fn(window)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, o.grad_clip, foreach=True)
         optimizer.step()
@@ -167,28 +179,28 @@ def run(
     launch = init_distributed(ParallelDims(), seed=0, device="cpu")
     # every compiled model's layers share one region code object: a cache entry per layer and
     # mode of every compiled model here (compile_region allows for one model's)
-    layers = int(_config("baseline", False, shape).model.num_layers)
+    layers = int(_config("baseline", "off", shape).model.num_layers)
     torch._dynamo.reset()  # no cache entries of models compiled before (make bench's others)
     config = torch._dynamo.config
-    models = len(MODES) + len(EVERY_GUARD)
+    models = len(MODES) * 2 + len(EVERY_GUARD)  # compiled per layer or per chunk
     config.recompile_limit = max(config.recompile_limit, 2 * models * layers + 8)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = _config("baseline", False, shape).model
+        model = _config("baseline", "off", shape).model
         seq = int(model.seq_length)
         window = torch.randint(0, VOCAB, (1, seq + 1), generator=torch.Generator().manual_seed(0))
         variants = {}
-        for compiled in (False, True):
-            tag = "compiled" if compiled else "eager"
+        for tag, compile in COMPILES.items():
             for name, mode in MODES.items():
-                variants[f"{name}_{tag}"] = engine_step(mode, compiled, backend, shape, launch)
-            variants[f"plain_{tag}"] = plain_step(compiled, backend, shape)
+                variants[f"{name}_{tag}"] = engine_step(mode, compile, backend, shape, launch)
+        for tag, compile in PLAIN.items():
+            variants[f"plain_{tag}"] = plain_step(compile, backend, shape)
         for name in EVERY_GUARD:  # the compiled steps without the steady stance
             variants[f"{name}_every_guard"] = engine_step(
-                MODES[name], True, backend, shape, launch, guards="full"
+                MODES[name], "layer", backend, shape, launch, guards="full"
             )
         for step in variants.values():  # compiles, and settles allocator and caches
             for _ in range(warmup):
@@ -237,19 +249,23 @@ def run(
 
 
 def ratios(samples: dict, ops: dict) -> dict:
-    """Paired host-time ratios (and op ratios) of each mode over its baseline and over plain."""
+    """Paired host-time ratios (and op ratios) of each mode over its baseline and of the
+    baseline over the plain GPT: per layer and per chunk against the plain GPT per block
+    (torchtitan's), and per chunk also against the plain GPT compiled whole."""
     out = {}
-    for tag in ("eager", "compiled"):
+    for tag in COMPILES:
         for mode in ("block", "full"):
-            out[f"{mode}_over_baseline_{tag}"] = {
-                "host": _ratio(samples, f"{mode}_{tag}", f"baseline_{tag}", "host_ms"),
-                "ops": ops[f"{mode}_{tag}"] / ops[f"baseline_{tag}"],
-            }
-        out[f"baseline_over_plain_{tag}"] = {
-            "host": _ratio(samples, f"baseline_{tag}", f"plain_{tag}", "host_ms"),
-            "ops": ops[f"baseline_{tag}"] / ops[f"plain_{tag}"],
-        }
+            out[f"{mode}_over_baseline_{tag}"] = _pair(
+                samples, ops, f"{mode}_{tag}", f"baseline_{tag}"
+            )
+        plain = "plain_eager" if tag == "eager" else "plain_compiled"
+        out[f"baseline_over_plain_{tag}"] = _pair(samples, ops, f"baseline_{tag}", plain)
+    out["baseline_chunk_over_plain_whole"] = _pair(samples, ops, "baseline_chunk", "plain_whole")
     return out
+
+
+def _pair(samples: dict, ops: dict, num: str, den: str) -> dict:
+    return {"host": _ratio(samples, num, den, "host_ms"), "ops": ops[num] / ops[den]}
 
 
 def _cell(r: dict) -> str:
@@ -266,45 +282,67 @@ def markdown(result: dict) -> list[str]:
         "## Host work per training step at almost no arithmetic (CPU proxy)",
         "",
         f"{c['layers_x_hidden']}, 1 x {c['seq']} tokens, one thread; ours: DeepSpeed's bf16 "
-        "engine at pp = 1 (`train_batch`), plain GPT: a torch AdamW loop under bf16 autocast; "
+        "engine at pp = 1 (`train_batch`), compiled per layer (`runtime.compile: layer`) or per "
+        "chunk (`chunk`: all layers one graph); plain GPT: a torch AdamW loop under bf16 "
+        "autocast, compiled per block (torchtitan's) or whole (its loss one graph); "
         f"compiled: `{c['backend']}`. Host time = process CPU time per step (median); "
         "ratios paired, 95% intervals in brackets.",
         "",
-        "| variant | host ms (eager) | host ms (compiled) | aten ops (eager) | "
-        "aten ops (compiled) |",
-        "|---|---|---|---|---|",
+        "| variant | host ms: eager | per layer (plain: block) | per chunk (plain: whole) | "
+        "aten ops: eager | per layer | per chunk |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in ("baseline", "block", "full", "plain"):
-        e, k = v[f"{name}_eager"], v[f"{name}_compiled"]
+        tags = ("eager", "compiled", "whole" if name == "plain" else "chunk")
+        cells = [v[f"{name}_{t}"] for t in tags]
         lines.append(
-            f"| {name} | {e['host_ms']:.1f} | {k['host_ms']:.1f} | {e['aten_ops']} | "
-            f"{k['aten_ops']} |"
+            f"| {name} | "
+            + " | ".join(f"{x['host_ms']:.1f}" for x in cells)
+            + " | "
+            + " | ".join(str(x["aten_ops"]) for x in cells)
+            + " |"
         )
-    lines += ["", "| ratio | eager | compiled | floor (compiled) |", "|---|---|---|---|"]
-    block_e, block_c = r["block_over_baseline_eager"], r["block_over_baseline_compiled"]
-    full_e, full_c = r["full_over_baseline_eager"], r["full_over_baseline_compiled"]
-    base_e, base_c = r["baseline_over_plain_eager"], r["baseline_over_plain_compiled"]
     lines += [
-        f"| Block / baseline, host time | {_cell(block_e['host'])} | {_cell(block_c['host'])} | "
-        f"<= {FLOORS['block_over_baseline_host']} |",
-        f"| Block / baseline, aten ops | {block_e['ops']:.2f} | {block_c['ops']:.2f} | "
-        f"<= {FLOORS['block_over_baseline_ops']} |",
-        f"| Full / baseline, host time | {_cell(full_e['host'])} | {_cell(full_c['host'])} | |",
-        f"| Full / baseline, aten ops | {full_e['ops']:.2f} | {full_c['ops']:.2f} | |",
-        f"| baseline / plain GPT, host time | {_cell(base_e['host'])} | {_cell(base_c['host'])} "
-        f"| <= {FLOOR_BASELINE_OVER_PLAIN} |",
-        f"| baseline / plain GPT, aten ops | {base_e['ops']:.2f} | {base_c['ops']:.2f} | |",
+        "",
+        "| ratio | eager | per layer | per chunk | floor (compiled) |",
+        "|---|---|---|---|---|",
     ]
+    floors = {
+        ("block", "host"): f"<= {FLOORS['block_over_baseline_host']}",
+        ("block", "ops"): f"<= {FLOORS['block_over_baseline_ops']}",
+        ("baseline", "host"): f"<= {FLOOR_BASELINE_OVER_PLAIN}",
+    }
+    for key, label in (("block", "Block / baseline"), ("full", "Full / baseline")):
+        for kind in ("host", "ops"):
+            row = [r[f"{key}_over_baseline_{t}"][kind] for t in COMPILES]
+            lines.append(_row(f"{label}, {_KIND[kind]}", row, kind, floors.get((key, kind), "")))
+    for kind in ("host", "ops"):
+        row = [r[f"baseline_over_plain_{t}"][kind] for t in COMPILES]
+        floor = floors.get(("baseline", kind), "")
+        lines.append(_row(f"baseline / plain GPT per block, {_KIND[kind]}", row, kind, floor))
+    whole = r["baseline_chunk_over_plain_whole"]
+    lines.append(
+        f"| baseline per chunk / plain GPT whole, host time | | | {_cell(whole['host'])} | "
+        f"<= {FLOOR_BASELINE_OVER_PLAIN} |"
+    )
     guards = result.get("steady_over_every_guard")
     if guards:
         lines += [
             "",
-            "Compiled, host time with steady guards (`runtime.guards: auto`) over every guard "
-            "on every call (`full`): "
+            "Compiled per layer, host time with steady guards (`runtime.guards: auto`) over "
+            "every guard on every call (`full`): "
             + ", ".join(f"{name} {_cell(r)}" for name, r in guards.items())
             + ".",
         ]
     return lines
+
+
+_KIND = {"host": "host time", "ops": "aten ops"}
+
+
+def _row(label: str, cells: list, kind: str, floor: str) -> str:
+    text = [_cell(x) if kind == "host" else f"{x:.2f}" for x in cells]
+    return f"| {label} | " + " | ".join(text) + f" | {floor} |"
 
 
 def main(argv: list[str] | None = None) -> None:

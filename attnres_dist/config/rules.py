@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from attnres_dist.config.block_plan import MODES
 from attnres_dist.config.schedule_rules import chunks_per_rank, validate_schedule
-from attnres_dist.config.schema import Config, RuntimeConfig
+from attnres_dist.config.schema import COMPILED, Config, RuntimeConfig
 from attnres_dist.data.blend import parse_blend, parse_split
 from attnres_dist.errors import ConfigError
 from attnres_dist.ops import available_depth_attention_impls
@@ -198,7 +198,7 @@ def _validate_runtime(r: RuntimeConfig) -> None:
         ("core_attention", ("auto", "sdpa", "megatron")),
         ("cpu_allocator", ("auto", "retain", "system")),
         ("cpu_binding", ("none", "cores")),
-        ("compile", ("auto", "off", "layer")),
+        ("compile", ("auto", "off", *COMPILED)),
         ("cuda_graphs", ("auto", "off", "on")),
         ("compile_backend", ("inductor", "aot_eager", "eager")),
         ("guards", ("auto", "steady", "full")),
@@ -212,11 +212,12 @@ def _validate_runtime(r: RuntimeConfig) -> None:
 
 
 def _validate_compile(cfg: Config) -> None:
-    """What a compiled layer does not run yet: refused, never silently run eagerly."""
+    """What compiled layers do not run yet: refused, never silently run eagerly."""
+    compiled = cfg.runtime.compile in COMPILED
     _require(
-        cfg.runtime.cuda_graphs != "on" or cfg.runtime.compile == "layer",
+        cfg.runtime.cuda_graphs != "on" or compiled,
         "runtime.cuda_graphs",
-        f"'on' replays the compiled layers (runtime.compile=layer), but runtime.compile="
+        f"'on' replays the compiled layers (runtime.compile=layer or chunk), but runtime.compile="
         f"{cfg.runtime.compile}; set runtime.compile=layer or runtime.cuda_graphs=off",
     )
     _require(
@@ -226,19 +227,29 @@ def _validate_compile(cfg: Config) -> None:
         f"{cfg.runtime.compile_backend}; set runtime.compile_backend=inductor",
     )
     _require(
-        cfg.runtime.guards != "steady" or cfg.runtime.compile == "layer",
+        cfg.runtime.guards != "steady" or compiled,
         "runtime.guards",
         f"'steady' applies to compiled layers, but runtime.compile={cfg.runtime.compile}; "
         "set runtime.compile=layer or runtime.guards=auto",
     )
-    if cfg.runtime.compile != "layer":
+    if not compiled:
         return
+    name = cfg.runtime.compile
     _require(
         cfg.parallel.tp == 1 or cfg.model.attention_dropout == 0,
         "runtime.compile",
-        f"'layer' at parallel.tp={cfg.parallel.tp} draws attention dropout inside Megatron's "
+        f"{name!r} at parallel.tp={cfg.parallel.tp} draws attention dropout inside Megatron's "
         "RNG tracker fork, which does not trace; set model.attention_dropout=0 or "
         "runtime.compile=off",
+    )
+    dropout = max(cfg.model.hidden_dropout, cfg.model.attention_dropout)
+    _require(
+        name != "chunk" or dropout == 0,
+        "runtime.compile",
+        f"'chunk' runs several layers in one graph, but each layer seeds its own dropout "
+        f"streams outside its graph (model.hidden_dropout={cfg.model.hidden_dropout}, "
+        f"model.attention_dropout={cfg.model.attention_dropout}); set both to 0 or "
+        "runtime.compile=layer",
     )
 
 

@@ -114,6 +114,10 @@ class ParallelConfig:
     cross_stage_cache: bool = True
 
 
+# the values of runtime.compile that compile: per layer, or per run of a stage's layers
+COMPILED = ("layer", "chunk")
+
+
 @dataclass
 class RuntimeConfig:
     """Fast paths (attnres_dist.runtime): auto takes each one this machine can run."""
@@ -132,13 +136,15 @@ class RuntimeConfig:
     cpu_allocator: str = "auto"
     # none | cores: each local rank on its own share of the cores (parallel/core_binding.py)
     cpu_binding: str = "none"
-    # auto | off | layer: run each transformer layer as one torch.compile graph (regional
-    # compile, runtime/select.py says when auto takes it); layer takes the torch depth-attention
-    # ops and torch's RMSNorm, which the compiler sees, in place of the C kernels
+    # auto | off | layer | chunk: run each transformer layer (layer) or each run of consecutive
+    # layers a stage holds (chunk: a model chunk, or with full recompute a recompute group) as
+    # one torch.compile graph (regional compile, runtime/select.py says when auto takes it);
+    # both take the torch depth-attention ops and torch's RMSNorm, which the compiler sees,
+    # in place of the C kernels
     compile: str | bool = "auto"
-    # auto | off | on: replay each compiled layer as CUDA graphs (compile mode reduce-overhead,
-    # CUDA graph trees); on needs compile: layer and a GPU; auto takes it only once the GPU
-    # check has run it (runtime/gpu_checked.py)
+    # auto | off | on: replay each compiled region as CUDA graphs (compile mode
+    # reduce-overhead, CUDA graph trees); on needs compiled layers (layer or chunk) and a GPU;
+    # auto takes it only once the GPU check has run it (runtime/gpu_checked.py)
     cuda_graphs: str | bool = "auto"
     # inductor | aot_eager | eager: the torch.compile backend of a compiled layer (torchtitan's
     # compile.backend); aot_eager traces forward and backward without generating code

@@ -1,5 +1,6 @@
 """The GPU check's speed steps: how fast a training step of baseline, Block and Full AttnRes
-runs, eager, compiled and replayed as CUDA graphs, beside a compiled plain-PyTorch GPT.
+runs, eager, compiled and replayed as CUDA graphs (``runtime.compile: chunk``: at pp = 1 the
+layers one region), beside a compiled plain-PyTorch GPT.
 
 Two steps, one device call of about five minutes each (``make gpu-speed`` runs both, one call
 per step; docs/gpu.md): ``speed_125m`` (12 x 768, sequence 1024, micro-batch 32 then 8) and
@@ -71,10 +72,12 @@ DRY = {
     "speed_1b": Shape("dry-run", 2, 64, 4, 64, 2, (1,)),
 }
 MODES = ("baseline", "block", "full")
+# compiled per chunk (at pp = 1 every layer in one region): the least host work per step on
+# the CPU proxy (bench/host_bench.py), and graphed, one CUDA graph tree over the whole chunk
 PATHS = {
     "eager": [],
-    "compiled": ["runtime.compile=layer"],
-    "graphed": ["runtime.compile=layer", "runtime.cuda_graphs=on"],
+    "compiled": ["runtime.compile=chunk"],
+    "graphed": ["runtime.compile=chunk", "runtime.cuda_graphs=on"],
 }
 
 

@@ -20,6 +20,13 @@ lives here too:
 * ``full``: groups of ``interval`` consecutive local layers are recomputed whole. The first
   layer of a group runs the group under one checkpoint; the others see the state's
   ``layers_done`` already past them and pass it through.
+
+Compiled regions (``model/compiled_region.py``): with ``runtime.compile: layer`` each layer's
+two sublayers are one region; with ``chunk`` the consecutive local layers of a model chunk
+(under full recompute: of a recompute group) are one region, run by the first of them (its
+``run``) as a recompute group is: the sequence context is built once for all of them, and one
+compiled call, one autograd node and one cache lookup serve the whole run
+(``configure_compiled_runs``).
 """
 
 from __future__ import annotations
@@ -42,7 +49,13 @@ from attnres_dist.model.recompute import checkpoint
 from attnres_dist.model.sdpa_attention import SdpaAttention
 from attnres_dist.model.sequence_context import sequence_context, with_layout
 
-__all__ = ["AttnResLayer", "DepthMixer", "configure_recompute", "configure_segments"]
+__all__ = [
+    "AttnResLayer",
+    "DepthMixer",
+    "configure_compiled_runs",
+    "configure_recompute",
+    "configure_segments",
+]
 
 
 class AttnResLayer(torch.nn.Module):
@@ -82,6 +95,11 @@ class AttnResLayer(torch.nn.Module):
         core = getattr(megatron_layer.self_attention, "core_attention", None)
         self._sdpa = isinstance(core, SdpaAttention)
         self._region = self.sublayers  # the compiled region (``compile_region``) or itself
+        # the layers this one runs as one compiled region (``runtime.compile: chunk``; set by
+        # ``configure_compiled_runs``), and the options to compile it with (the builder's)
+        self.run: list[AttnResLayer] = [self]
+        self._run_region = None
+        self.run_compile_options: tuple[str, bool] | None = None
 
     def compile_region(self, backend: str = "inductor", cuda_graphs: bool = False) -> None:
         """Run :meth:`sublayers` as one compiled region (``model/compiled_region.py``); the
@@ -152,7 +170,8 @@ class AttnResLayer(torch.nn.Module):
         partial = out if state.partial is None else state.partial + out
         return replace(state, partial=partial)
 
-    def apply_layer(self, state: DepthState) -> DepthState:
+    def _context(self, state: DepthState):
+        """The sequence context (RoPE tables, mask, layout) of the layers acting on ``state``."""
         if state.layers_done != self.layer_index:
             raise RuntimeError(
                 f"layer {self.layer_index} got a depth state after {state.layers_done} layers"
@@ -160,7 +179,27 @@ class AttnResLayer(torch.nn.Module):
         like, seq_dim = (state.partial, 0) if state.store is None else (state.store, 1)
         config = self.layer.config
         ctx = sequence_context(config, like, self.rotary_base, self.rope_scaling_factor, seq_dim)
-        ctx = with_layout(ctx, state.layout)
+        return with_layout(ctx, state.layout)
+
+    def apply_run(self, state: DepthState) -> DepthState:
+        """This layer, or the compiled run of layers it leads (``runtime.compile: chunk``), on
+        ``state``. A measured micro-batch runs its layers one by one (``apply_layer``)."""
+        if self._run_region is None or any(layer.probe is not None for layer in self.run):
+            for layer in self.run:
+                state = layer.apply_layer(state)
+            return state
+        return self._run_region(state, self._context(state))
+
+    def run_layers(self, state: DepthState, ctx) -> DepthState:
+        """The sublayers of every layer in ``run`` on ``state``: the region a chunk compiles
+        (no dropout: ``runtime.compile: chunk`` refuses it, each layer seeds its own streams)."""
+        for layer in self.run:
+            state = layer.sublayers(state, ctx)
+            state = replace(state, layers_done=layer.layer_index + 1)
+        return state
+
+    def apply_layer(self, state: DepthState) -> DepthState:
+        ctx = self._context(state)
         # a measured micro-batch runs eagerly, as the final aggregation's does: its hook is
         # Python that a compiled region does not trace, and a region reads nothing that
         # changes between training steps (model/compiled_region.py, SteadyGuards)
@@ -180,9 +219,9 @@ class AttnResLayer(torch.nn.Module):
 
     def forward(self, state: DepthState) -> DepthState:
         if state.layers_done > self.layer_index:
-            return state  # applied by the leader of this layer's recompute group
+            return state  # applied by the leader of its recompute group or compiled run
         if self.recompute != "full" or not torch.is_grad_enabled():
-            return self.apply_layer(state)
+            return self.apply_run(state)
         group = self.group
         num_completed, has_partial = self.plan.state_after(2 * state.layers_done)
 
@@ -192,8 +231,9 @@ class AttnResLayer(torch.nn.Module):
             inner = DepthState.from_parts(
                 tensors, num_completed, has_partial, state.layers_done, state.buffer, state.layout
             )
-            for layer in group:
-                inner = layer.apply_layer(inner)
+            for layer in group:  # under compile: chunk, the group is its first layer's run
+                if inner.layers_done == layer.layer_index:
+                    inner = layer.apply_run(inner)
             grown["buffer"] = inner.buffer
             return inner.parts()
 
@@ -212,6 +252,37 @@ def configure_recompute(layers: list[AttnResLayer], mode: str, interval: int = 1
         for layer in group:
             layer.recompute = mode
             layer.group = group
+
+
+def configure_compiled_runs(layers: list[AttnResLayer]) -> None:
+    """Under ``runtime.compile: chunk`` (the builder set ``run_compile_options``), compile the
+    consecutive local layers of one chunk as one region, led by the first: each recompute
+    group under full recompute (the group is checkpointed around it), else all of them. Call
+    after ``configure_recompute``."""
+    if not layers or layers[0].run_compile_options is None:
+        return
+    if any(layer.uses_dropout for layer in layers):  # the config rules refuse it too
+        raise ValueError("runtime.compile=chunk: a layer with dropout seeds its own streams")
+    backend, cuda_graphs = layers[0].run_compile_options
+    runs = [layers] if layers[0].recompute != "full" else _groups(layers)
+    for run in runs:
+        leader = run[0]
+        for layer in run:
+            layer.run = [layer]
+            _synchronous_input_grad_reduce(layer.layer)
+        leader.run = list(run)
+        leader._run_region = compiled_region.compile_region(
+            leader.run_layers, leader.plan.num_layers, backend, cuda_graphs
+        )
+
+
+def _groups(layers: list[AttnResLayer]) -> list[list[AttnResLayer]]:
+    """The recompute groups of consecutive layers, in order."""
+    groups = []
+    for layer in layers:
+        if not groups or groups[-1] is not layer.group:
+            groups.append(layer.group)
+    return groups
 
 
 def _synchronous_input_grad_reduce(layer: torch.nn.Module) -> None:

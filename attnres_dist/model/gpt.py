@@ -26,7 +26,11 @@ from attnres_dist import megatron_compat
 from attnres_dist.config import ModelConfig
 from attnres_dist.config.block_plan import BlockPlan
 from attnres_dist.model import dropout_streams, layer_specs
-from attnres_dist.model.attnres_layer import AttnResLayer, configure_recompute
+from attnres_dist.model.attnres_layer import (
+    AttnResLayer,
+    configure_compiled_runs,
+    configure_recompute,
+)
 from attnres_dist.model.depth_mixing import configure_segments
 from attnres_dist.model.document_masks import DocumentOptions, loss_mask
 from attnres_dist.model.embedding_head import Embedding, FinalAggregation, OutputLayer, lm_loss
@@ -121,12 +125,17 @@ class ModelBuilder:
 
     def _compile(self, part) -> None:
         """A layer or the final aggregation as one compiled region, where the runtime says so
-        (after its norms are final: a graph reads their epsilon)."""
-        if self.runtime.compiled:
-            backend = self.runtime.compile_backend
-            part.compile_region(
-                backend.value if backend else "inductor", cuda_graphs=self.runtime.graphed
-            )
+        (after its norms are final: a graph reads their epsilon). Under ``compile: chunk`` a
+        layer only keeps the options: its run is compiled once the model container knows
+        which layers a chunk holds (``configure_compiled_runs``)."""
+        if not self.runtime.compiled:
+            return
+        backend = self.runtime.compile_backend
+        options = (backend.value if backend else "inductor", self.runtime.graphed)
+        if self.runtime.chunked and isinstance(part, AttnResLayer):
+            part.run_compile_options = options
+        else:
+            part.compile_region(options[0], cuda_graphs=options[1])
 
     def output(self) -> OutputLayer:
         with seeded(self.seed, "output"):
@@ -173,6 +182,7 @@ class AttnResGPT(torch.nn.Module):
             self.output = builder.output()
         configure_recompute(list(self.layers), recompute, recompute_interval)
         configure_segments(list(self.layers), self.plan, final=self.final)
+        configure_compiled_runs(list(self.layers))
         # DeepSpeed moves the pipeline's parts to the GPU; the single-process model moves itself
         self.device = torch.device("cuda") if builder.runtime.on_gpu else torch.device("cpu")
         self.graphed = builder.runtime.graphed  # its engine marks each step for the graph trees

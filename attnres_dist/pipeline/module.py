@@ -30,7 +30,7 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from attnres_dist.model import dropout_streams
-from attnres_dist.model.attnres_layer import configure_recompute
+from attnres_dist.model.attnres_layer import configure_compiled_runs, configure_recompute
 from attnres_dist.model.depth_mixing import configure_segments
 from attnres_dist.model.depth_state import DepthState
 from attnres_dist.model.document_masks import document_layout
@@ -123,11 +123,13 @@ def pipeline_module_args(builder: ModelBuilder, topology) -> dict:
 
 
 def configure_local_layers(funcs, plan, recompute: str, recompute_interval: int) -> None:
-    """Recompute and two-phase segments for the transformer layers among one stage's parts."""
+    """Recompute, two-phase segments and compiled runs (``runtime.compile: chunk``) for the
+    transformer layers among one stage's parts (one chunk's)."""
     layers = [f.block for f in funcs if isinstance(f, LayerPipe)]
     configure_recompute(layers, recompute, recompute_interval)
     finals = [f.final for f in funcs if isinstance(f, FinalPipe)]
     configure_segments(layers, plan, final=finals[0] if finals else None)
+    configure_compiled_runs(layers)
 
 
 class SteadyMode:

@@ -75,8 +75,15 @@ class RuntimeChoice:
 
     @property
     def compiled(self) -> bool:
-        """Each transformer layer and the final aggregation run as one torch.compile graph."""
-        return self.compile is not None and self.compile.value == "layer"
+        """The transformer layers (each, or each run of a stage's: ``chunked``) and the final
+        aggregation run as torch.compile graphs."""
+        return self.compile is not None and self.compile.value != "off"
+
+    @property
+    def chunked(self) -> bool:
+        """One compiled graph per run of a stage's consecutive layers (``runtime.compile:
+        chunk``)."""
+        return self.compile is not None and self.compile.value == "chunk"
 
     @property
     def graphed(self) -> bool:

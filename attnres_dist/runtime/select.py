@@ -50,6 +50,7 @@ trainer prints at start-up.
 
 from __future__ import annotations
 
+from attnres_dist.config.schema import COMPILED
 from attnres_dist.errors import ConfigError
 from attnres_dist.ops import runnable_depth_attention_impls
 from attnres_dist.runtime import allocator, gpu_checked, probes
@@ -117,12 +118,19 @@ COMPILE_AUTO = {
 COMPILABLE_IMPLS = ("twophase", "reference")
 
 
+COMPILE_REGIONS = {
+    "layer": "torch.compile per transformer layer, fullgraph",
+    "chunk": "torch.compile per run of a stage's layers (a chunk; full recompute: a group), "
+    "fullgraph",
+}
+
+
 def select_compile(requested: str, device: str) -> Choice:
-    """Resolve ``runtime.compile`` (``auto``, ``off`` or ``layer``) for ``device``."""
+    """Resolve ``runtime.compile`` (``auto``, ``off``, ``layer`` or ``chunk``) for ``device``."""
     if requested == "auto":
         return COMPILE_AUTO[device]
-    if requested == "layer":
-        return Choice("layer", "set in config; torch.compile per transformer layer, fullgraph")
+    if requested in COMPILE_REGIONS:
+        return Choice(requested, f"set in config; {COMPILE_REGIONS[requested]}")
     return Choice("off", "set in config")
 
 
@@ -195,7 +203,7 @@ def select_runtime(runtime, depth_attention: str = "auto") -> RuntimeChoice:
     cuda = p.get("cuda")
     device = Choice("cuda" if cuda.ok else "cpu", cuda.detail)
     compile_choice = select_compile(runtime.compile, device.value)
-    compiled = compile_choice.value == "layer"
+    compiled = compile_choice.value in COMPILED
     cuda_graphs = select_cuda_graphs(runtime.cuda_graphs, cuda, compiled)
     backend = Choice(runtime.compile_backend, "set in config") if compiled else None
     guards = _guards(runtime.guards) if compiled else None
@@ -205,8 +213,8 @@ def select_runtime(runtime, depth_attention: str = "auto") -> RuntimeChoice:
     if compiled and layer_spec.value == "te":
         raise ConfigError(
             "runtime.compile",
-            f"'layer' runs the local layer spec only, but layer_spec=te ({layer_spec.reason}); "
-            "set runtime.layer_spec=local or runtime.compile=off",
+            f"{compile_choice.value!r} runs the local layer spec only, but layer_spec=te "
+            f"({layer_spec.reason}); set runtime.layer_spec=local or runtime.compile=off",
         )
     if compiled and runtime.fused_norm != "on":
         norm = Choice("torch", "torch RMSNorm, which a compiled layer traces")
