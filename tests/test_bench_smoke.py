@@ -259,8 +259,8 @@ def test_compile_bench_smoke(tmp_path):
 
 def test_host_bench_smoke(tmp_path):
     """Every variant (ours on DeepSpeed's bf16 engine, eager, per layer and per chunk; the
-    plain GPT eager, per block and whole) steps, its aten ops are counted, and the ratios and the summary's floors are there
-    (aot_eager: no code generation; 2 layers)."""
+    plain GPT eager, per block and whole) steps, its aten ops are counted, and the ratios and
+    the summary's floors are there (aot_eager: no code generation; 2 layers)."""
     from attnres_dist.bench import host_bench
 
     shape = (

@@ -9,8 +9,8 @@
   uneven last block and Full under inductor; ``attnres`` recompute inside the run and ``full``
   recompute around runs of two layers (aot_eager); an evaluation after training steps (its own
   graphs). 4 training steps of DeepSpeed's engine at pp = 1 (inductor, the whole model one
-  run; full recompute, interval 2: a run per group) and pp = 2 on 1F1B (aot_eager, a run per
-  stage) equal
+  run; full recompute, interval 2: a run per group), pp = 2 on 1F1B (aot_eager, a run per
+  stage) and tp = 2 (aot_eager, the tensor-parallel reductions inside the run's graph) equal
   the eager single process's losses and parameters within 1e-5.
 * Refusals: dropout (each layer seeds its own streams outside a graph) is a one-line error
   naming ``runtime.compile``.
@@ -128,9 +128,10 @@ def test_recompute_with_chunks_matches_eager(mode, block_size, recompute):
 # the pipeline case of tests/test_compile.py without dropout (which chunk refuses)
 PIPELINE = {"model.attnres.impl": "twophase", "runtime.fused_norm": "off", "train.steps": 4}
 CASES = {
-    "pp1": (1, {}, "inductor"),
-    "pp2": (2, {}, "aot_eager"),
-    "pp1_full_recompute": (1, {"parallel.recompute": "full"}, "aot_eager"),
+    "pp1": ({}, "inductor"),
+    "pp2": ({"pp": 2}, "aot_eager"),
+    "tp2": ({"tp": 2}, "aot_eager"),
+    "pp1_full_recompute": ({"parallel.recompute": "full"}, "aot_eager"),
 }
 
 
@@ -144,10 +145,11 @@ def test_engine_chunk_matches_eager(case, eager_reference, small_dataset, tmp_pa
     """DeepSpeed's engine (torchrun), each stage's layers one compiled run (at full recompute
     with interval 2, each group), against the eager single-process run: the losses of 4
     optimizer steps and every parameter after them within 1e-5."""
-    pp, extra, backend = CASES[case]
-    args = overrides(small_dataset, "block", str(tmp_path / case), pp=pp, **PIPELINE, **extra)
+    extra, backend = CASES[case]
+    args = overrides(small_dataset, "block", str(tmp_path / case), **PIPELINE, **extra)
     args = [*args, "runtime.compile=chunk", f"runtime.compile_backend={backend}"]
-    if extra:
+    if "parallel.recompute" in extra:
         args.append("parallel.recompute_interval=2")
-    result = train_case(tmp_path, case, args, nproc=pp)
+    nproc = extra.get("pp", 1) * extra.get("tp", 1)
+    result = train_case(tmp_path, case, args, nproc=nproc)
     assert_matches(result, eager_reference, f"compile chunk {case} block")
