@@ -177,13 +177,7 @@ def run(
     from attnres_dist.parallel.process_groups import init_distributed
 
     launch = init_distributed(ParallelDims(), seed=0, device="cpu")
-    # every compiled model's layers share one region code object: a cache entry per layer and
-    # mode of every compiled model here (compile_region allows for one model's)
-    layers = int(_config("baseline", "off", shape).model.num_layers)
     torch._dynamo.reset()  # no cache entries of models compiled before (make bench's others)
-    config = torch._dynamo.config
-    models = len(MODES) * 2 + len(EVERY_GUARD)  # compiled per layer or per chunk
-    config.recompile_limit = max(config.recompile_limit, 2 * models * layers + 8)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     threads = torch.get_num_threads()

@@ -105,9 +105,7 @@ class AttnResLayer(torch.nn.Module):
         """Run :meth:`sublayers` as one compiled region (``model/compiled_region.py``); the
         sequence context and the dropout streams' seeding stay outside, as its inputs."""
         _synchronous_input_grad_reduce(self.layer)
-        self._region = compiled_region.compile_region(
-            self.sublayers, self.plan.num_layers, backend, cuda_graphs
-        )
+        self._region = compiled_region.compile_region(self.sublayers, backend, cuda_graphs)
 
     def sublayer_norms(self) -> list:
         """The norm in front of the attention and the one in front of the MLP: the local
@@ -271,9 +269,7 @@ def configure_compiled_runs(layers: list[AttnResLayer]) -> None:
             layer.run = [layer]
             _synchronous_input_grad_reduce(layer.layer)
         leader.run = list(run)
-        leader._run_region = compiled_region.compile_region(
-            leader.run_layers, leader.plan.num_layers, backend, cuda_graphs
-        )
+        leader._run_region = compiled_region.compile_region(leader.run_layers, backend, cuda_graphs)
 
 
 def _groups(layers: list[AttnResLayer]) -> list[list[AttnResLayer]]:

@@ -1,13 +1,16 @@
-"""How a part of the model becomes one ``torch.compile`` region (``runtime.compile: layer``).
+"""How a part of the model becomes one ``torch.compile`` region (``runtime.compile``).
 
-Each transformer layer's two sublayers (``AttnResLayer.sublayers``) and the final aggregation
-with its norm (``FinalAggregation.aggregate``) are compiled this way: ``fullgraph`` (a graph
-break is an error, never a silent split) and static shapes (each layer is its own graph anyway:
-its block structure is Python control flow, so dynamic shapes would only add guards). Every
-layer's region shares one code object, whose cache then holds an entry per layer and mode
-(train, eval): the recompile limit is raised to that. Inductor draws dropout masks from torch's
-generator as eager does (``fallback_random``), so the layout-independent streams
-(``model/dropout_streams.py``) and the eager reference see the same masks.
+Each transformer layer's two sublayers (``AttnResLayer.sublayers``, ``layer``) or each run of
+a chunk's consecutive layers (``AttnResLayer.run_layers``, ``chunk``) and the final
+aggregation with its norm (``FinalAggregation.aggregate``) are compiled this way:
+``fullgraph`` (a graph break is an error, never a silent split) and static shapes (each layer
+is its own graph anyway: its block structure is Python control flow, so dynamic shapes would
+only add guards). Each region gets a code object of its own (``_own_code``): TorchDynamo keeps
+its compiled graphs per code object, so a region's cache holds only its own entries (train,
+eval; under full recompute, its recompute pass) and a call never walks other layers' entries.
+Inductor draws dropout masks from torch's generator as eager does (``fallback_random``), so
+the layout-independent streams (``model/dropout_streams.py``) and the eager reference see the
+same masks.
 
 ``cuda_graphs``: inductor's ``triton.cudagraphs`` (what mode ``reduce-overhead`` sets; a mode
 and options cannot be given together): each region's forward and backward replay as CUDA graph
@@ -35,15 +38,15 @@ proxy (``bench/host_bench.py``) the stance took the compiled step's host time to
 from __future__ import annotations
 
 import contextlib
+import itertools
+import types
 
 
-def compile_region(fn, num_layers: int, backend: str = "inductor", cuda_graphs: bool = False):
-    """``fn`` as one compiled region of a model with ``num_layers`` layers."""
+def compile_region(method, backend: str = "inductor", cuda_graphs: bool = False):
+    """The bound ``method`` as one compiled region."""
     import torch._dynamo  # only where something is compiled
 
-    entries = 2 * num_layers + 8  # train and eval per layer, and a margin
     config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, entries)
     # a region over several layers reaches shared objects (the block plan, two-phase segments
     # spanning layers) by several paths; Dynamo guards that they are still one object, by
     # default in a Python function run on every call, which steady guards do not skip
@@ -53,7 +56,26 @@ def compile_region(fn, num_layers: int, backend: str = "inductor", cuda_graphs: 
     options = {"fallback_random": True} if backend == "inductor" else None
     if cuda_graphs:
         options = {**(options or {}), "triton.cudagraphs": True}
-    return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False, options=options)
+    return torch.compile(
+        _own_code(method), backend=backend, fullgraph=True, dynamic=False, options=options
+    )
+
+
+_REGIONS = itertools.count()
+
+
+def _own_code(method):
+    """``method`` on a copy of its function with a code object of its own (named
+    ``<name>_<n>``). The steady stance checks only the guards that tell one code object's
+    cache entries apart; with a code object per region those are its own entries (the train
+    / eval mode, the grad mode), never another layer's or another model's in this process,
+    which it would otherwise have to tell apart by guards it skips."""
+    fn = method.__func__
+    n = next(_REGIONS)
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{n}", co_qualname=f"{fn.__qualname__}_{n}")
+    own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    own.__kwdefaults__ = fn.__kwdefaults__
+    return types.MethodType(own, method.__self__)
 
 
 def _graphs_compiled() -> int:

@@ -105,9 +105,7 @@ class FinalAggregation(torch.nn.Module):
 
     def compile_region(self, backend: str = "inductor", cuda_graphs: bool = False) -> None:
         """Run :meth:`aggregate` as one compiled region (``model/compiled_region.py``)."""
-        self._region = compiled_region.compile_region(
-            self.aggregate, self.plan.num_layers, backend, cuda_graphs
-        )
+        self._region = compiled_region.compile_region(self.aggregate, backend, cuda_graphs)
 
     def forward(self, state: DepthState) -> torch.Tensor:
         if state.layers_done != self.plan.num_layers:

@@ -27,22 +27,22 @@ glibc keeps freed memory in the process (``attnres_dist.runtime.allocator``), wh
 selection applies, since it holds for the whole process from then on.
 
 Whether each transformer layer (and the final aggregation) runs as one ``torch.compile``
-graph (``runtime.compile``: ``layer``; ``off``: eagerly) is chosen here as well. A compiled
-layer needs ops the compiler sees: the torch two-phase depth attention (``twophase``) and
-torch's RMSNorm, so ``layer`` resolves ``auto`` to those and refuses the fused C
-depth-attention kernels and apex's norm by name; the C RMSNorm (registered ops) is kept when
-asked for. ``auto`` compiles only where it
-was measured to pay (``COMPILE_AUTO``): not on a CPU, where compiling the layers costs more
+graph (``runtime.compile``: ``layer``; ``chunk``: each run of a stage's consecutive layers one
+graph; ``off``: eagerly) is chosen here as well. A compiled layer needs ops the compiler
+sees: the torch two-phase depth attention (``twophase``) and torch's RMSNorm, so ``layer`` and
+``chunk`` resolve ``auto`` to those and refuse the fused C depth-attention kernels and apex's
+norm by name; the C RMSNorm (registered ops) is kept when asked for. ``auto`` compiles only
+where it was measured to pay (``COMPILE_AUTO``): not on a CPU, where compiling the layers costs more
 than a whole ``make train`` run gains (docs/compile.md), and not yet on a GPU, where it has
 not been measured.
 
 A compiled run's training steps check only the guards telling cache entries apart once a step
 compiled nothing (``runtime.guards``: ``auto``, ``steady``; ``full``: all; ``SteadyGuards``).
 
-CUDA graphs (``runtime.cuda_graphs: on``) replay each compiled layer as CUDA graph trees
-(``torch.compile``'s reduce-overhead, ``AttnResLayer.compile_region``); ``on`` needs
-``runtime.compile: layer`` and a CUDA device, and ``auto`` leaves it out until the GPU check
-has run it.
+CUDA graphs (``runtime.cuda_graphs: on``) replay each compiled region as CUDA graph trees
+(``torch.compile``'s reduce-overhead, ``compiled_region.compile_region``); ``on`` needs
+``runtime.compile: layer`` or ``chunk`` and a CUDA device, and ``auto`` leaves it out until
+the GPU check has run it.
 
 Every choice carries the reason it was made; ``RuntimeChoice.describe()`` is the one line the
 trainer prints at start-up.
@@ -166,8 +166,8 @@ def select_depth_attention(requested: str, device: str, compiled: bool = False) 
         if requested not in COMPILABLE_IMPLS and requested in why_not:
             raise ConfigError(
                 IMPL_FIELD,
-                f"{requested!r} is not traced by a compiled layer (runtime.compile=layer); "
-                f"use auto or one of {', '.join(COMPILABLE_IMPLS)}, or runtime.compile=off",
+                f"{requested!r} is not traced by a compiled layer (runtime.compile=layer or "
+                f"chunk); use auto or one of {', '.join(COMPILABLE_IMPLS)}, or runtime.compile=off",
             )
     if requested == "auto":
         if device == "cuda":
@@ -222,7 +222,7 @@ def select_runtime(runtime, depth_attention: str = "auto") -> RuntimeChoice:
         raise ConfigError(
             "runtime.fused_norm",
             "'on' is apex's kernel, which a compiled layer does not trace "
-            "(runtime.compile=layer); use auto or off, or runtime.compile=off",
+            "(runtime.compile=layer or chunk); use auto or off, or runtime.compile=off",
         )
     elif compiled:  # the C RMSNorm: registered ops, which a compiled layer keeps whole
         norm = _norm(p, "on")
