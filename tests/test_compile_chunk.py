@@ -28,8 +28,6 @@ import torch._dynamo
 from attnres_dist.config import OptimConfig, load_config
 from attnres_dist.errors import ConfigError
 from attnres_dist.model.sequence_context import sequence_context
-from attnres_dist.parallel.dims import ParallelDims
-from attnres_dist.parallel.process_groups import init_distributed
 from attnres_dist.runtime.select import select_runtime
 from attnres_dist.train.local_engine import LocalEngine
 from tests.equivalence_helpers import (
@@ -38,16 +36,14 @@ from tests.equivalence_helpers import (
     single_process_reference,
     train_case,
 )
-from tests.test_compile import assert_same_numbers, loss_and_grads, window
+from tests.test_compile import (  # MODES: block size 4 of 6 sublayers leaves an uneven block
+    MODES,
+    assert_same_numbers,
+    loss_and_grads,
+    process_group,  # noqa: F401  (autouse: the single-process group, here too)
+    window,
+)
 from tests.tiny_model import build_selected, randomize_mixers, tiny_overrides
-
-# (mode, block size): 3 layers = 6 sublayers, so block size 4 leaves an uneven last block
-MODES = [("baseline", 2), ("block", 4), ("full", 1)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    init_distributed(ParallelDims(), seed=0)
 
 
 def build(mode: str, block_size: int, compile: str = "off", backend="inductor", **extra):
