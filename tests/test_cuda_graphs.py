@@ -1,13 +1,15 @@
 """CUDA graphs (``runtime.cuda_graphs: on``) against eager, on a GPU (``@pytest.mark.cuda``:
 skipped without one; the GPU check's ``cuda_tests`` step runs it).
 
-One GPU, DeepSpeed's pipeline engine (bf16 goes through it even at pp = 1), bf16, hidden
-dropout 0.1 (the layout-independent streams re-seed the generator before every layer, so a
-replayed graph must read the seed at replay), four micro-batches per step (several forwards per
-generation of the graph trees), with and without full recompute (the checkpoint re-runs a
-compiled region inside backward). Six optimizer steps: the first warms up, the second records,
-the rest replay. The reference is the eager run of the same config (``runtime.compile: off``);
-the compiled run without graphs separates a compiler difference from a replay one.
+One GPU, DeepSpeed's pipeline engine (bf16 goes through it even at pp = 1), bf16, compiled
+per layer with hidden dropout 0.1 (the layout-independent streams re-seed the generator before
+every layer, so a replayed graph must read the seed at replay), four micro-batches per step
+(several forwards per generation of the graph trees), with and without full recompute (the
+checkpoint re-runs a compiled region inside backward); and compiled per chunk
+(``runtime.compile: chunk``, no dropout). Six optimizer steps: the first warms up, the second
+records, the rest replay. The reference is the eager run of the same config
+(``runtime.compile: off``); the compiled run without graphs separates a compiler difference
+from a replay one.
 Tolerances are bf16's: the losses of the compiled and eager bf16 runs differed by 1.3e-4
 relative after 3 steps (docs/compile.md); 5e-3 relative leaves room for 6 steps and stays far
 below what a wrong dropout mask moves (a different draw of p = 0.1 masks).
@@ -39,11 +41,13 @@ print(json.dumps({
 """
 
 
-def _run(small_dataset, tmp_path, name: str, recompute: str, *extra: str) -> dict:
+def _run(
+    small_dataset, tmp_path, name: str, recompute: str, *extra: str, dropout: float = 0.1
+) -> dict:
     ops = {
         "model.attnres.impl": "twophase",
         "runtime.fused_norm": "off",
-        "model.hidden_dropout": 0.1,
+        "model.hidden_dropout": dropout,
         "parallel.recompute": recompute,
         "train.steps": 6,
     }
@@ -64,16 +68,23 @@ def _run(small_dataset, tmp_path, name: str, recompute: str, *extra: str) -> dic
 @pytest.mark.cuda
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_graph_replay_trains_like_eager_in_bf16(small_dataset, tmp_path, recompute):
-    eager = _run(small_dataset, tmp_path, "eager", recompute, "runtime.compile=off")
-    compiled = _run(small_dataset, tmp_path, "compiled", recompute, "runtime.compile=layer")
-    graphed = _run(
-        small_dataset,
-        tmp_path,
-        "graphed",
-        recompute,
-        "runtime.compile=layer",
-        "runtime.cuda_graphs=on",
-    )
+    _check_replay(small_dataset, tmp_path, recompute, "layer", 0.1)
+
+
+@pytest.mark.cuda
+def test_chunk_graph_replay_trains_like_eager_in_bf16(small_dataset, tmp_path):
+    """``runtime.compile: chunk`` (the GPU check's speed rows): at pp = 1 the model's layers
+    one region, one graph tree over all of them; no dropout (``chunk`` refuses it)."""
+    _check_replay(small_dataset, tmp_path, "none", "chunk", 0.0)
+
+
+def _check_replay(small_dataset, tmp_path, recompute: str, compile: str, dropout: float):
+    def run(name, *extra):
+        return _run(small_dataset, tmp_path, name, recompute, *extra, dropout=dropout)
+
+    eager = run("eager", "runtime.compile=off")
+    compiled = run("compiled", f"runtime.compile={compile}")
+    graphed = run("graphed", f"runtime.compile={compile}", "runtime.cuda_graphs=on")
     assert "cuda_graphs=on" in graphed["runtime"] and "cuda_graphs=off" in compiled["runtime"]
     assert graphed["cudagraph_skips"] == 0, "inductor ran some region without CUDA graphs"
     assert len(graphed["losses"]) == 6
