@@ -266,7 +266,6 @@ def configure_compiled_runs(layers: list[AttnResLayer]) -> None:
     for run in runs:
         leader = run[0]
         for layer in run:
-            layer.run = [layer]
             _synchronous_input_grad_reduce(layer.layer)
         leader.run = list(run)
         leader._run_region = compiled_region.compile_region(leader.run_layers, backend, cuda_graphs)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from attnres_dist.config.schema import COMPILED
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -77,7 +79,7 @@ class RuntimeChoice:
     def compiled(self) -> bool:
         """The transformer layers (each, or each run of a stage's: ``chunked``) and the final
         aggregation run as torch.compile graphs."""
-        return self.compile is not None and self.compile.value != "off"
+        return self.compile is not None and self.compile.value in COMPILED
 
     @property
     def chunked(self) -> bool:
