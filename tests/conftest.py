@@ -1,4 +1,5 @@
-"""Shared fixtures: a small prepared dataset, free ports, and a runner for multi-process jobs."""
+"""Shared fixtures: a small prepared dataset, free ports, a runner for multi-process jobs, and a
+simulated machine for the runtime selection (``machine``)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,31 @@ TINY_MODEL = (
     "train.global_batch_size=8",
     "optim.warmup_steps=1",
 )
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """``machine(cuda=True, transformer_engine=False, ...)``: set what the probes report.
+
+    Returns the list of probes called, so tests can check that nothing was probed needlessly.
+    """
+    from attnres_dist.runtime import probes
+    from tests.simulated_probes import MISSING, OK
+
+    called: list[str] = []
+
+    def configure(**available: bool):
+        for name in OK:
+            result = (OK if available.get(name, False) else MISSING)[name]
+
+            def probe(name=name, result=result):
+                called.append(name)
+                return result
+
+            monkeypatch.setattr(probes, name, probe)
+        return called
+
+    return configure
 
 
 def pytest_collection_modifyitems(config, items):

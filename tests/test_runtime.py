@@ -1,6 +1,7 @@
 """Fast-path selection (attnres_dist.runtime): what is chosen, why, and what is refused.
 
-Availability is simulated by replacing the probe functions in ``attnres_dist.runtime.probes``;
+Availability is simulated by replacing the probe functions in ``attnres_dist.runtime.probes``
+(the ``machine`` fixture, ``tests/conftest.py``);
 nothing pretends to be Transformer Engine or apex. What runs for real on this CPU machine: the
 config section and its validation, the routing from a choice to Megatron's layer spec and to
 the optimizer class, and the refusal of a training run that asks for TE, before any process
@@ -16,50 +17,7 @@ from attnres_dist.config import RuntimeConfig, config_from_dict, load_config
 from attnres_dist.errors import ConfigError
 from attnres_dist.model import layer_specs
 from attnres_dist.optim import adam_class
-from attnres_dist.runtime import Choice, RuntimeChoice, probes, select_runtime
-
-OK = {
-    "cuda": probes.Probe(True, "NVIDIA H100 80GB HBM3"),
-    "bf16": probes.Probe(True, "GPU compute capability 9.0"),
-    "transformer_engine": probes.Probe(True, "transformer_engine 2.10.0"),
-    "apex_norm": probes.Probe(True, "apex FusedRMSNorm"),
-    "apex_adam": probes.Probe(True, "apex FusedAdam"),
-    "cpu_kernels": probes.Probe(True, "the project's fused C RMSNorm"),
-    "glibc_malloc": probes.Probe(True, "glibc 2.36"),
-}
-MISSING = {
-    "cuda": probes.Probe(False, "no CUDA device visible"),
-    "bf16": probes.Probe(False, "GPU compute capability 7.0 has no bf16 support"),
-    "transformer_engine": probes.Probe(
-        False, "transformer_engine not importable (No module named 'transformer_engine')"
-    ),
-    "apex_norm": probes.Probe(False, "apex FusedRMSNorm not importable (No module named 'apex')"),
-    "apex_adam": probes.Probe(False, "apex FusedAdam not importable (No module named 'apex')"),
-    "cpu_kernels": probes.Probe(False, "the C kernels cannot be built here (no C compiler)"),
-    "glibc_malloc": probes.Probe(False, "the C library is not glibc (no gnu_get_libc_version)"),
-}
-
-
-@pytest.fixture
-def machine(monkeypatch):
-    """``machine(cuda=True, transformer_engine=False, ...)``: set what the probes report.
-
-    Returns the list of probes called, so tests can check that nothing was probed needlessly.
-    """
-    called: list[str] = []
-
-    def configure(**available: bool):
-        for name in OK:
-            result = (OK if available.get(name, False) else MISSING)[name]
-
-            def probe(name=name, result=result):
-                called.append(name)
-                return result
-
-            monkeypatch.setattr(probes, name, probe)
-        return called
-
-    return configure
+from attnres_dist.runtime import Choice, RuntimeChoice, select_runtime
 
 
 def values(choice: RuntimeChoice) -> tuple[str, ...]:
@@ -370,55 +328,3 @@ def test_explicit_bf16_is_taken_on_cpu_and_auto_stays_fp32(machine):
     auto = select_runtime(RuntimeConfig())
     assert auto.dtype.value == "fp32" and auto.activation_dtype == torch.float32
     assert "bf16" not in called  # no GPU: the bf16 capability probe is never asked
-
-
-# ------------------------------------------------------------------------------ CUDA graphs
-
-
-def test_cuda_graphs_on_a_cpu_is_a_one_line_config_error_naming_the_field(machine):
-    machine(cuda=False)
-    with pytest.raises(ConfigError) as info:
-        select_runtime(RuntimeConfig(compile="layer", cuda_graphs="on"))
-    message = str(info.value)
-    assert info.value.where == "runtime.cuda_graphs" and "\n" not in message
-    assert message == (
-        "runtime.cuda_graphs: 'on' needs a CUDA device (no CUDA device visible); use auto or off"
-    )
-    assert select_runtime(RuntimeConfig()).cuda_graphs == Choice("off", "no GPU")
-
-
-def test_cuda_graphs_need_compiled_layers_in_the_config():
-    with pytest.raises(ConfigError) as info:
-        load_config("configs/tiny.yaml", ["runtime.cuda_graphs=on"])
-    assert info.value.where == "runtime.cuda_graphs"
-    assert "runtime.compile=layer" in str(info.value) and "\n" not in str(info.value)
-    with pytest.raises(ConfigError) as info:
-        load_config("configs/tiny.yaml", ["runtime.cuda_graphs=maybe"])
-    assert info.value.where == "runtime.cuda_graphs"
-    # YAML's bare on reads as true; the section turns it back into the word
-    cfg = load_config("configs/tiny.yaml", ["runtime.compile=layer", "runtime.cuda_graphs=on"])
-    assert cfg.runtime.cuda_graphs == "on"
-    graphs = ["runtime.compile=layer", "runtime.cuda_graphs=on"]
-    with pytest.raises(ConfigError) as info:  # CUDA graph trees are inductor's
-        load_config("configs/tiny.yaml", [*graphs, "runtime.compile_backend=aot_eager"])
-    assert info.value.where == "runtime.cuda_graphs"
-    assert "compile_backend=inductor" in str(info.value)
-
-
-def test_cuda_graphs_on_a_gpu_asked_for_or_after_the_check(machine, monkeypatch):
-    from attnres_dist.runtime import gpu_checked
-
-    machine(cuda=True, bf16=True)
-    asked = select_runtime(RuntimeConfig(compile="layer", cuda_graphs="on"))
-    assert asked.graphed and asked.compiled
-    assert "cuda_graphs=on (set in config; CUDA graph trees" in asked.describe()
-    auto = select_runtime(RuntimeConfig(compile="layer"))
-    assert not auto.graphed and "not yet run by the GPU check" in auto.cuda_graphs.reason
-    note = gpu_checked.RUN_BY_GPU_CHECK["cuda_graphs=on"][1]
-    monkeypatch.setitem(gpu_checked.RUN_BY_GPU_CHECK, "cuda_graphs=on", (True, note))
-    assert select_runtime(RuntimeConfig(compile="layer")).graphed
-    assert not select_runtime(RuntimeConfig()).graphed  # compile auto is off on a GPU
-    with pytest.raises(ConfigError, match=r"^runtime\.cuda_graphs: 'on' replays compiled"):
-        select_runtime(RuntimeConfig(cuda_graphs="on"))  # built without the config's rules
-    off = select_runtime(RuntimeConfig(compile="layer", cuda_graphs="off"))
-    assert off.cuda_graphs == Choice("off", "set in config")
