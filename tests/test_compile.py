@@ -57,12 +57,15 @@ def process_group():
     init_distributed(ParallelDims(), seed=0)
 
 
-def build(mode: str, block_size: int, compile: str = "off", **extra) -> AttnResGPT:
+def build(
+    mode: str, block_size: int, compile: str = "off", dropout: float = 0.1, **extra
+) -> AttnResGPT:
     """The tiny model with the ops a compiled layer runs (torch two-phase depth attention,
-    torch RMSNorm, SDPA), compiled per layer by inductor when ``compile`` is ``layer``."""
+    torch RMSNorm, SDPA), hidden and attention ``dropout``, compiled per layer by inductor
+    when ``compile`` is ``layer``."""
     ops = {"model.attnres.impl": "twophase", "runtime.fused_norm": "off"}
-    dropout = {"model.hidden_dropout": 0.1, "model.attention_dropout": 0.1}
-    extra = {**dropout, "runtime.compile": compile, **ops, **extra}
+    dropouts = {"model.hidden_dropout": dropout, "model.attention_dropout": dropout}
+    extra = {**dropouts, "runtime.compile": compile, **ops, **extra}
     cfg = load_config(None, tiny_overrides(mode, block_size, 3, **extra))
     model = build_selected(cfg)
     randomize_mixers(model)

@@ -43,18 +43,14 @@ from tests.test_compile import (  # MODES: block size 4 of 6 sublayers leaves an
     process_group,  # noqa: F401  (autouse: the single-process group, here too)
     window,
 )
-from tests.tiny_model import build_selected, randomize_mixers, tiny_overrides
+from tests.test_compile import build as build_layer_model
 
 
 def build(mode: str, block_size: int, compile: str = "off", backend="inductor", **extra):
-    """The tiny model with the ops a compiled layer runs, no dropout; ``compile: chunk``
-    compiles its runs with ``backend``."""
-    ops = {"model.attnres.impl": "twophase", "runtime.fused_norm": "off"}
-    chosen = {"runtime.compile": compile, "runtime.compile_backend": backend}
-    cfg = load_config(None, tiny_overrides(mode, block_size, 3, **ops, **chosen, **extra))
-    model = build_selected(cfg)
-    randomize_mixers(model)
-    return model.train()
+    """``test_compile``'s tiny model without dropout; ``compile: chunk`` compiles its runs
+    with ``backend``."""
+    chosen = {"runtime.compile_backend": backend, **extra}
+    return build_layer_model(mode, block_size, compile, dropout=0.0, **chosen)
 
 
 def test_chunk_choice_is_named():
