@@ -23,8 +23,10 @@ not patched) by ones doing the same arithmetic with torch's multi-tensor ops:
   ``torch._foreach_mul_`` without being read (a factor of exactly 1 changes no bit, so this is
   DeepSpeed's clip). The rest of the step is DeepSpeed's, in its order.
 
-Kept as DeepSpeed has it: the step is skipped when the norm is not finite, which needs the
-norm on the host (on a GPU, one wait for the device per step).
+A step whose norm is not finite is skipped, as DeepSpeed skips it. Where the inner optimizer
+is torch's fused AdamW and the schedule a ``LambdaLR`` (this trainer's), the device decides and
+the host learns a step later (``deferred_skip.py``), so the step reads nothing on the host;
+elsewhere the norm is read on the host, as DeepSpeed does (on a GPU, one wait per step).
 
 Not installed (DeepSpeed's own methods stay) with MoE layers, Muon, a gradient accumulation
 dtype other than fp32, or ``immediate_grad_update``, none of which this trainer configures.
@@ -34,6 +36,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from attnres_dist.pipeline.deferred_skip import DeferredSkip, deferrable
 
 CLIP_EPS = 1e-6  # DeepSpeed's clip_tensors_by_global_norm
 
@@ -52,21 +56,26 @@ def installable(optimizer) -> bool:
     )
 
 
-def install(optimizer) -> bool:
+def install(optimizer, scheduler=None, on_skipped=None) -> Bookkeeping | None:
     """Replace ``update_hp_grads`` and ``step`` of ``optimizer`` (a DeepSpeed
-    ``BF16_Optimizer``) by the multi-tensor ones; False (nothing replaced) where
-    :func:`installable` says no."""
+    ``BF16_Optimizer``) by the multi-tensor ones; None (nothing replaced) where
+    :func:`installable` says no. With ``scheduler`` (the engine's) and ``on_skipped`` (called
+    once the host learns a step was skipped), the skip is decided on the device where
+    ``deferred_skip.deferrable`` says so."""
     if not installable(optimizer):
-        return False
-    _Bookkeeping(optimizer)
-    return True
+        return None
+    return Bookkeeping(optimizer, scheduler, on_skipped)
 
 
-class _Bookkeeping:
+class Bookkeeping:
     """The replaced methods and the lists they walk, bound to one optimizer."""
 
-    def __init__(self, opt):
+    def __init__(self, opt, scheduler=None, on_skipped=None):
         self.opt = opt
+        self.deferred = None
+        if on_skipped is not None and deferrable(opt.optimizer, scheduler):
+            self.deferred = DeferredSkip(opt.fp32_groups_gradients_flat[0].device)
+        self.on_skipped = on_skipped
         # fp32 accumulator views shaped like the parameters, pairwise with opt.bf16_groups
         self.accumulators = [
             [hp.view(lp.shape) for lp, hp in zip(lps, hps, strict=True)]
@@ -138,9 +147,10 @@ class _Bookkeeping:
             raise NotImplementedError(f"{type(self.opt).__name__} does not support closure.")
         opt = self.opt
         opt.overflow = False
+        self.settle()  # the last step's skip, before this step's update reads the LR
         norm = self.global_norm()
         opt._global_grad_norm = norm
-        if is_invalid_grad_norm(norm):  # reads the norm: the one wait for the device
+        if self.deferred is None and is_invalid_grad_norm(norm):  # waits for the device
             opt.overflow = True
             opt._global_grad_norm = float("inf")
             opt.clear_hp_grads()
@@ -154,7 +164,17 @@ class _Bookkeeping:
             opt.fp32_groups_flat_partition, opt.fp32_groups_gradient_flat_partition, strict=True
         ):
             param.grad = grad
+        if self.deferred is not None:  # the fused AdamW leaves everything as it was at 1
+            opt.optimizer.found_inf = self.deferred.found_inf(norm)
         opt.optimizer.step()
+        opt.optimizer.found_inf = None
         opt._lazy_init_hp_params_optimizer_state()
         opt.update_lp_params()
         opt.clear_hp_grads()
+
+    def settle(self) -> None:
+        """Learn whether the last step was skipped on the device, if not learned yet; for a
+        skipped one, DeepSpeed's infinite norm and the owner's ``on_skipped``."""
+        if self.deferred is not None and self.deferred.settle():
+            self.opt._global_grad_norm = float("inf")
+            self.on_skipped()

@@ -34,6 +34,7 @@ from attnres_dist.parallel.process_groups import check_groups_agree
 from attnres_dist.parallel.tp_shards import gather_full
 from attnres_dist.pipeline import (
     bf16_bookkeeping,
+    deferred_skip,
     precision,
     virtual_engine,
     virtual_setup,
@@ -144,7 +145,7 @@ class PipelineEngine:
         # one counted by the clip norm, the parameter count, checkpoints and full_state
         self._tied = frozenset(id(p) for p in self.module.tied_modules.parameters())
         self._stage = dims.coords(self.rank)[0]
-        self.optimizer, self.scheduler = self._build_optimizer()
+        self.optimizer, self._scheduler = self._build_optimizer()
         t = cfg.train
         ds_config = {
             "train_batch_size": t.global_batch_size,
@@ -161,14 +162,14 @@ class PipelineEngine:
         }
         if self.virtual:
             self.engine = virtual_engine.initialize(
-                self.module, self.optimizer, self.scheduler, ds_config
+                self.module, self.optimizer, self._scheduler, ds_config
             )
             self.engine.set_payload_shapes(shapes, virtual_setup.payload_dtype(self.runtime))
         else:
             self.engine, _, _, _ = deepspeed.initialize(
                 model=self.module,
                 optimizer=self.optimizer,
-                lr_scheduler=self.scheduler,
+                lr_scheduler=self._scheduler,
                 config=ds_config,
             )
         if torch.device(self.engine.device) != comm_device():
@@ -187,8 +188,31 @@ class PipelineEngine:
         # dp = 1: DeepSpeed's gradient all-reduce over one rank is a no-op (single_replica.py)
         zero1_fp32 = cfg.parallel.zero_stage == 1 and not self.runtime.bf16
         skip_single_replica_reduction(self.engine, dims.dp, zero1_fp32)
-        # the bf16 optimizer's per-parameter loops as multi-tensor ops (bf16_bookkeeping.py)
-        bf16_bookkeeping.install(self.engine.optimizer)
+        # the bf16 optimizer's per-parameter loops as multi-tensor ops, and its skip of a step
+        # with a non-finite norm decided on the device (bf16_bookkeeping.py, deferred_skip.py)
+        self.bookkeeping = bf16_bookkeeping.install(
+            self.engine.optimizer, self._scheduler, self._skipped_step
+        )
+
+    def _skipped_step(self) -> None:
+        """The host learned that the last step was skipped on the device: what DeepSpeed's
+        engine does for a skipped step (it saw none), done now."""
+        self.engine.skipped_steps += 1
+        self.engine._step_applied = False
+        self.engine._global_grad_norm = float("inf")
+        deferred_skip.step_back(self._scheduler)  # DeepSpeed does not advance it on a skip
+
+    def settle(self) -> None:
+        """Learn the last step's skip, if not learned yet (waits for that step's norm): before
+        a read of the LR, the gradient norm or the schedule."""
+        if self.bookkeeping is not None:
+            self.bookkeeping.settle()
+
+    @property
+    def scheduler(self):
+        """The LR schedule, settled (``settle``): what a checkpoint saves or loads."""
+        self.settle()
+        return self._scheduler
 
     def _owned(self, p: torch.nn.Parameter) -> bool:
         """False for the last stage's copy of the tied embedding (the first stage's counts; with
@@ -247,12 +271,14 @@ class PipelineEngine:
 
     @property
     def lr(self) -> float:
+        self.settle()
         return self.optimizer.param_groups[0]["lr"]
 
     @property
     def last_grad_norm(self) -> float | None:
         """The global gradient norm before clipping of the last step (None without clipping)."""
         if self.sharded_state is not None:
+            self.settle()
             norm = self.engine.get_global_grad_norm()
             return None if norm is None else float(norm)
         return self.optimizer.last_grad_norm
