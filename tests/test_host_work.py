@@ -122,16 +122,21 @@ def test_bf16_bookkeeping_gives_deepspeeds_steps(launch, clip):
 def test_bf16_bookkeeping_gives_deepspeeds_steps_across_stages_and_tensor_ranks():
     """pp = 2 x tp = 2 (torchrun, 4 ranks; clip active): the norm DeepSpeed's rule counts once
     (the last stage's tied embedding copy skipped, replicated parameters on tensor rank 0 only)
-    and sums over stages and tensor ranks, and every rank's master weights after 3 steps, are
-    bitwise DeepSpeed's own (``tests/workers/bf16_bookkeeping_case.py``)."""
+    and sums over stages and tensor ranks, the LR and skip count after each step, and every
+    rank's master weights after 4 steps, are bitwise DeepSpeed's own, with the third step's
+    gradient made non-finite on rank 0 alone: every rank skips it, decided on the device
+    (``tests/workers/bf16_bookkeeping_case.py``)."""
     words = [*SHAPE, "runtime.dtype=bf16", "model.attnres.mode=block", "model.num_layers=4"]
     words += ["train.micro_batch_size=1", "train.global_batch_size=2", "optim.warmup_steps=1"]
+    words += ["train.steps=6"]
     proc = run_job(["tests/workers/bf16_bookkeeping_case.py", "2", "2", "0.05", *words], nproc=4)
     done = [line.split() for line in proc.stdout.splitlines() if line.startswith("ok ")]
     assert sorted(int(d[1]) for d in done) == [0, 1, 2, 3], proc.stdout
     norms = {tuple(d[2:]) for d in done}
     assert len(norms) == 1, norms  # every rank computed the same global norm
-    assert all(float(n) > 0.05 for n in norms.pop())  # the clip took effect each step
+    norms = [float(n) for n in norms.pop()]
+    assert norms[2] == float("inf")  # skipped on every rank
+    assert all(0.05 < n < float("inf") for n in norms[:2] + norms[3:])  # the clip took effect
 
 
 def test_train_sets_only_what_differs():
