@@ -17,6 +17,7 @@ import torch
 
 SKIP = 2  # the 0-based step whose gradient rank 0 makes non-finite
 
+
 def main() -> None:
     from attnres_dist.config import load_config
     from attnres_dist.model.gpt import ModelBuilder
