@@ -285,3 +285,6 @@ def test_host_bench_smoke(tmp_path):
     assert "| baseline per chunk / plain GPT whole, host time |" in text
     assert set(result["steady_over_every_guard"]) == {"baseline", "block"}
     assert "steady guards" in text
+    eager = {n: v["host_reads"] for n, v in result["variants"].items() if "host_reads" in v}
+    assert eager == {f"{m}_eager": 0 for m in (*modes, "plain")}  # ours: the device's skip
+    assert "tensor value per eager step (on a GPU, waits): none in any variant." in text

@@ -14,12 +14,10 @@
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
+from attnres_dist.bench.host_reads import HostReads
 from tests.test_host_work import _engine
 
 SKIPPED = (2, 3)  # 0-based steps whose gradients are made non-finite
@@ -80,30 +78,6 @@ def test_deferred_skip_gives_deepspeeds_steps(launch, clip):
     for (name, a, _), (_, b, _) in pairs:
         assert torch.equal(ours.sharded_state.master(a), theirs.sharded_state.master(b)), name
     assert ours.scheduler.state_dict() == theirs.scheduler.state_dict()
-
-
-READS = {
-    torch.Tensor.item,
-    torch.Tensor.__bool__,
-    torch.Tensor.__float__,
-    torch.Tensor.__int__,
-    torch.Tensor.__index__,
-    torch.Tensor.tolist,
-}
-
-
-class HostReads(TorchFunctionMode):
-    """Counts host reads of tensor values, by the reading function's name, except of ``allowed``."""
-
-    def __init__(self, allowed: torch.Tensor | None):
-        super().__init__()
-        self.allowed = allowed
-        self.reads = collections.Counter()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in READS and not (args and args[0] is self.allowed):
-            self.reads[func.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_the_step_reads_nothing_on_the_host(launch):

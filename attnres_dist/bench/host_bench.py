@@ -33,8 +33,11 @@ What one step is:
 
 Measured per variant: ``host_ms``, the process's CPU time per step (one thread: the host's
 work, less sensitive than wall time to waiting for a core on a shared machine) and
-``wall_ms``, medians; and ``aten_ops``, aten calls per step that the profiler sees at the top
-(``compile_bench.top_level_aten_calls``: from Python or from compiled code, not inside an op).
+``wall_ms``, medians; ``aten_ops``, aten calls per step that the profiler sees at the top
+(``compile_bench.top_level_aten_calls``: from Python or from compiled code, not inside an op);
+and, for the eager variants, ``host_reads``: reads of a tensor value on the host per step
+(``host_reads.py``: on a GPU each is a wait for the device; a compiled step reads at most what
+its eager twin reads).
 The variants run interleaved, the order rotating each repetition, and the ratios are paired
 (``bench/paired.py``) with their 95% intervals. The floors (issue 36), on each compiled path:
 Block / baseline <= 1.10 in host time and <= 1.2 in aten ops, and the compiled baseline
@@ -56,6 +59,7 @@ import torch
 import torch._dynamo
 
 from attnres_dist.bench.compile_bench import top_level_aten_calls
+from attnres_dist.bench.host_reads import reads_per_step
 from attnres_dist.bench.launch_job import REPO
 from attnres_dist.bench.paired import paired_interval, paired_ratio
 
@@ -113,7 +117,13 @@ def engine_step(
     runtime = select_runtime(cfg.runtime, cfg.model.attnres.impl)
     builder = ModelBuilder(cfg.model, VOCAB, seed=0, runtime=runtime)
     engine = PipelineEngine(cfg, builder, ParallelDims(), launch)
-    return lambda window: engine.train_step([window])
+
+    def step(window):
+        return engine.train_step([window])
+
+    deferred = None if engine.bookkeeping is None else engine.bookkeeping.deferred
+    step.copied_without_wait = None if deferred is None else deferred.host  # host_reads.py
+    return step
 
 
 def plain_step(compile: str, backend: str, shape: tuple[str, ...]):
@@ -209,6 +219,14 @@ def run(
                 samples[n]["host_ms"].append(cpu)
                 samples[n]["wall_ms"].append(wall)
         ops = {n: top_level_aten_calls(lambda s=s: s(window)) for n, s in variants.items()}
+        # eager variants only: a function mode is part of what compiled code guards on (a step
+        # under one recompiles), and a compiled region (fullgraph) cannot read a value anyway,
+        # so a compiled step reads what its eager twin reads outside the layers, or less
+        reads = {
+            n: reads_per_step(s, window, allowed=getattr(s, "copied_without_wait", None))
+            for n, s in variants.items()
+            if n.endswith("_eager")
+        }
     finally:
         torch.set_num_threads(threads)
     result = {
@@ -229,6 +247,7 @@ def run(
                 "wall_ms": statistics.median(samples[n]["wall_ms"]),
                 "aten_ops": ops[n],
             }
+            | ({"host_reads": reads[n]} if n in reads else {})
             for n in names
         },
         "samples": samples,
@@ -319,6 +338,10 @@ def markdown(result: dict) -> list[str]:
         f"| baseline per chunk / plain GPT whole, host time | | | {_cell(whole['host'])} | "
         f"<= {FLOOR_BASELINE_OVER_PLAIN} |"
     )
+    reads = {n: x["host_reads"] for n, x in v.items() if "host_reads" in x}
+    if reads:
+        some = ", ".join(f"{n} {k}" for n, k in reads.items() if k) or "none in any variant"
+        lines += ["", f"Host reads of a tensor value per eager step (on a GPU, waits): {some}."]
     guards = result.get("steady_over_every_guard")
     if guards:
         lines += [
