@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from attnres_dist.bench.host_reads import HostReads
-from tests.test_host_work import _engine
+from tests.test_host_work import _engine, deepspeeds_own
 
 SKIPPED = (2, 3)  # 0-based steps whose gradients are made non-finite
 WORDS = ("train.steps=8", "optim.warmup_steps=2")  # an LR that moves every step
@@ -30,14 +30,6 @@ def launch():
     from attnres_dist.parallel.process_groups import init_distributed
 
     return init_distributed(ParallelDims(), seed=0, device="cpu")
-
-
-def _deepspeeds_own(engine):
-    """``engine`` with DeepSpeed's own bf16 optimizer methods again (no bookkeeping)."""
-    opt = engine.engine.optimizer
-    assert {"step", "update_hp_grads"} <= set(vars(opt)), "the bookkeeping was not installed"
-    del opt.step, opt.update_hp_grads
-    return engine
 
 
 def _non_finite_gradient(engine):
@@ -57,7 +49,7 @@ def _step(engine, micro, skip: bool):
 @pytest.mark.parametrize("clip", [0.05, 1e3])
 def test_deferred_skip_gives_deepspeeds_steps(launch, clip):
     ours = _engine(launch, "bf16", f"optim.grad_clip={clip}", *WORDS)
-    theirs = _deepspeeds_own(_engine(launch, "bf16", f"optim.grad_clip={clip}", *WORDS))
+    theirs = deepspeeds_own(_engine(launch, "bf16", f"optim.grad_clip={clip}", *WORDS))
     assert ours.bookkeeping.deferred is not None  # the path under test is the device's skip
     g = torch.Generator().manual_seed(0)
     lrs = []
@@ -82,7 +74,7 @@ def test_deferred_skip_gives_deepspeeds_steps(launch, clip):
 
 def test_the_step_reads_nothing_on_the_host(launch):
     ours = _engine(launch, "bf16", *WORDS)
-    theirs = _deepspeeds_own(_engine(launch, "bf16", *WORDS))
+    theirs = deepspeeds_own(_engine(launch, "bf16", *WORDS))
     g = torch.Generator().manual_seed(0)
     batches = [[torch.randint(0, 257, (1, 9), generator=g) for _ in range(2)] for _ in range(4)]
     for micro in batches[:1]:  # a first step: lazy state, DeepSpeed's first-step work

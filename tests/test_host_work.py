@@ -57,6 +57,14 @@ def _engine(launch, dtype: str, *extra: str):
     return PipelineEngine(cfg, builder, ParallelDims(), launch)
 
 
+def deepspeeds_own(engine):
+    """``engine`` with DeepSpeed's own bf16 optimizer methods again (no bookkeeping)."""
+    opt = engine.engine.optimizer
+    assert {"step", "update_hp_grads"} <= set(vars(opt)), "the bookkeeping was not installed"
+    del opt.step, opt.update_hp_grads
+    return engine
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_single_replica_skips_reduction_with_the_same_parameters(launch, dtype, monkeypatch):
     from deepspeed.runtime.pipe import schedule
@@ -95,10 +103,9 @@ def test_single_replica_skips_reduction_with_the_same_parameters(launch, dtype, 
 def test_bf16_bookkeeping_gives_deepspeeds_steps(launch, clip):
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
-    ours, theirs = (_engine(launch, "bf16", f"optim.grad_clip={clip}") for _ in range(2))
-    opt = theirs.engine.optimizer
-    assert isinstance(opt, BF16_Optimizer) and {"step", "update_hp_grads"} <= set(vars(opt))
-    del opt.step, opt.update_hp_grads  # DeepSpeed's own methods again
+    ours = _engine(launch, "bf16", f"optim.grad_clip={clip}")
+    theirs = deepspeeds_own(_engine(launch, "bf16", f"optim.grad_clip={clip}"))
+    assert isinstance(theirs.engine.optimizer, BF16_Optimizer)
     g = torch.Generator().manual_seed(0)
     clipped = []
     for step in range(4):

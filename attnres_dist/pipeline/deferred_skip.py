@@ -16,8 +16,8 @@ Here the device decides and the host learns later, to the same effect:
   backward were queued after it), or a read of the LR, the gradient norm or the schedule for a
   log or a checkpoint (which wait for the device anyway);
 * DeepSpeed's engine saw no overflow and advanced the schedule; when the read says the step was
-  skipped, the owner counts it and takes the schedule back one step, before
-  anything used the advanced LR. So every update and every LR read is DeepSpeed's own.
+  skipped, the owner counts it and takes the schedule back one step, before anything used the
+  advanced LR. So every update and every LR read is DeepSpeed's own.
 
 Only where the inner optimizer is torch's fused Adam(W) (apex's FusedAdam has no ``found_inf``)
 and the schedule a ``LambdaLR`` (one whose LR is a function of its step, so going back one step
