@@ -60,8 +60,10 @@ def _engine(launch, dtype: str, *extra: str):
 def deepspeeds_own(engine):
     """``engine`` with DeepSpeed's own bf16 optimizer methods again (no bookkeeping)."""
     opt = engine.engine.optimizer
-    assert {"step", "update_hp_grads"} <= set(vars(opt)), "the bookkeeping was not installed"
-    del opt.step, opt.update_hp_grads
+    assert {"step", "update_hp_grads", "clear_hp_grads"} <= set(vars(opt)), (
+        "the bookkeeping was not installed"
+    )
+    del opt.step, opt.update_hp_grads, opt.clear_hp_grads
     return engine
 
 
@@ -123,6 +125,39 @@ def test_bf16_bookkeeping_gives_deepspeeds_steps(launch, clip):
     pairs = zip(ours.checkpoint_params(), theirs.checkpoint_params(), strict=True)
     for (name, a, _), (_, b, _) in pairs:
         assert torch.equal(ours.sharded_state.master(a), theirs.sharded_state.master(b)), name
+
+
+def test_cleared_accumulators_read_as_deepspeeds_zeros(launch):
+    """After a step DeepSpeed zeroes the fp32 accumulators; ours only marks them stale. The
+    next accumulation (copy) must leave what DeepSpeed's (zero, then add) leaves, also for a
+    parameter that got no gradient; and a step that got none at all must count zeros."""
+    ours, theirs = _engine(launch, "bf16"), deepspeeds_own(_engine(launch, "bf16"))
+    g = torch.Generator().manual_seed(0)
+    micro = [torch.randint(0, 257, (1, 9), generator=g) for _ in range(2)]
+    for engine in (ours, theirs):
+        engine.train_step(micro)  # the accumulators now hold (clipped) gradients
+    accumulators = ours.engine.optimizer.fp32_groups_gradients_flat
+    assert any(bool(a.abs().sum() > 0) for a in accumulators)  # stale, not zeroed
+    g.manual_seed(1)
+    for engine in (ours, theirs):
+        opt = engine.engine.optimizer
+        for group in opt.bf16_groups:
+            for k, p in enumerate(group):
+                p.grad = None if k == 0 else torch.randn(p.shape, generator=g).to(p.dtype)
+        g.manual_seed(1)
+        opt.update_hp_grads()
+    pairs = zip(accumulators, theirs.engine.optimizer.fp32_groups_gradients_flat, strict=True)
+    for a, b in pairs:
+        assert torch.equal(a, b)
+    assert all(
+        not bool(a[: ours.engine.optimizer.bf16_groups[i][0].numel()].any())
+        for i, a in enumerate(accumulators)
+    )  # no gradient: zero
+    # a clear, then a step with no gradient at all (DeepSpeed's own cannot: its norm stacks
+    # an empty list): the stale accumulators must count as zeros
+    ours.engine.optimizer.clear_hp_grads()
+    ours.engine.optimizer.step()
+    assert float(ours.engine.optimizer._global_grad_norm) == 0.0
 
 
 @pytest.mark.slow

@@ -8,11 +8,18 @@ gradient (``get_grads_for_norm``, ``get_global_norm_of_tensors``), then scales e
 the GPU step is bound by the host, that is host time per parameter (about 0.07 ms each on the
 CPU proxy, ``bench/host_bench.py``), and the comparison makes the host wait for the device.
 
-``install`` replaces the two methods on the engine's optimizer instance (DeepSpeed itself is
+``install`` replaces three methods on the engine's optimizer instance (DeepSpeed itself is
 not patched) by ones doing the same arithmetic with torch's multi-tensor ops:
 
 * ``update_hp_grads``: one ``torch._foreach_add_`` of the bf16 gradients into fp32 views of the
-  accumulators shaped like the parameters (made once), bitwise the same sums;
+  accumulators shaped like the parameters (made once), bitwise the same sums; the first
+  after a clear copies them instead (``torch._foreach_copy_``: ``0 + g`` is ``g``);
+* ``clear_hp_grads``: DeepSpeed zeroes the fp32 accumulators after every step, and again in
+  ``zero_grad`` right after; here a clear only marks them stale, and the next
+  ``update_hp_grads`` overwrites them (and zeroes those of parameters that got no gradient),
+  or ``step`` zeroes them if none came. On the CPU proxy the copy took 0.37x the add's time,
+  and the two zeroings of the flat buffers are gone (at 125M on a GPU, about 1.5 GB a step
+  less to move);
 * ``step``: the norm over the gradients DeepSpeed's rule counts (tied copies marked
   ``ds_pipe_replicated`` skipped, replicated parameters on tensor rank 0 only): which ones is
   fixed by the model, so the list is made once. A parameter that got no gradient this step
@@ -86,7 +93,10 @@ class Bookkeeping:
         # over a group of one rank that all-reduce is a host round trip that changes nothing
         group = None if opt.mpu is None else opt.mpu.get_model_parallel_group()
         self.norm_group = group if group is not None and dist.get_world_size(group) > 1 else None
+        # per group: the accumulators hold the last step's gradients, to be read as zero
+        self.stale = [False] * len(opt.bf16_groups)
         opt.update_hp_grads = self.update_hp_grads
+        opt.clear_hp_grads = self.clear_hp_grads
         opt.step = self.step
 
     def _counted_gradients(self) -> list[torch.Tensor]:
@@ -115,12 +125,34 @@ class Bookkeeping:
             if not got:
                 continue
             grads = [lps[j].grad for j in got]
-            torch._foreach_add_([self.accumulators[i][j] for j in got], grads)
+            accumulators = [self.accumulators[i][j] for j in got]
+            if self.stale[i]:
+                torch._foreach_copy_(accumulators, grads)
+                if len(got) < len(lps):  # those without a gradient read as zero
+                    missing = set(range(len(lps))) - set(got)
+                    torch._foreach_zero_([self.accumulators[i][j] for j in sorted(missing)])
+                self.stale[i] = False
+            else:
+                torch._foreach_add_(accumulators, grads)
             for j in got:
                 lps[j]._hp_grad = opt.fp32_groups_gradients[i][j]
                 opt.fp32_groups_has_gradients[i][j] = True
             if clear_lp_grads:
                 torch._foreach_zero_(grads)
+
+    def clear_hp_grads(self) -> None:
+        """DeepSpeed's clear, less the zeroing (module docstring)."""
+        opt = self.opt
+        for i, group in enumerate(opt.fp32_groups_gradients):
+            opt.fp32_groups_has_gradients[i] = [False] * len(group)
+            self.stale[i] = True
+
+    def _zero_stale(self) -> None:
+        """Zero the accumulators of groups that got no gradient since the last clear."""
+        for i, flat in enumerate(self.opt.fp32_groups_gradients_flat):
+            if self.stale[i]:
+                flat.zero_()
+                self.stale[i] = False
 
     def global_norm(self) -> torch.Tensor:
         """DeepSpeed's count-once L2 norm of the accumulated gradients (-1 where not finite)."""
@@ -148,6 +180,7 @@ class Bookkeeping:
         opt = self.opt
         opt.overflow = False
         self.settle()  # the last step's skip, before this step's update reads the LR
+        self._zero_stale()
         norm = self.global_norm()
         opt._global_grad_norm = norm
         if self.deferred is None and is_invalid_grad_norm(norm):  # waits for the device

@@ -40,8 +40,10 @@ def main() -> None:
     ours, theirs = engine(), engine()
     assert ours.bookkeeping.deferred is not None, "the skip is not decided on the device"
     opt = theirs.engine.optimizer
-    assert {"step", "update_hp_grads"} <= set(vars(opt)), "the bookkeeping was not installed"
-    del opt.step, opt.update_hp_grads  # DeepSpeed's own methods again
+    assert {"step", "update_hp_grads", "clear_hp_grads"} <= set(vars(opt)), (
+        "the bookkeeping was not installed"
+    )
+    del opt.step, opt.update_hp_grads, opt.clear_hp_grads  # DeepSpeed's own methods again
     g = torch.Generator().manual_seed(0)
     seq, micro = cfg.model.seq_length, cfg.train.global_batch_size // cfg.train.micro_batch_size
     norms = []
