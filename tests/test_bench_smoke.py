@@ -270,7 +270,9 @@ def test_host_bench_smoke(tmp_path):
         "model.seq_length=8",
         "model.attnres.block_size=1",
     )
-    result = host_bench.run(tmp_path, backend="aot_eager", reps=2, steps=1, warmup=1, shape=shape)
+    result = host_bench.run(
+        tmp_path, backend="aot_eager", reps=2, steps=1, warmup=1, shape=shape, floor_reps=6
+    )
     assert (tmp_path / "host.json").exists()
     modes = ("baseline", "block", "full")
     names = {f"{m}_{t}" for m in modes for t in ("eager", "compiled", "chunk")}
@@ -283,6 +285,18 @@ def test_host_bench_smoke(tmp_path):
     text = "\n".join(host_bench.markdown(result))
     assert "| Block / baseline, host time |" in text and "<= 1.1 |" in text
     assert "| baseline per chunk / plain GPT whole, host time |" in text
+    floors = {(f["label"], f["kind"]): f for f in result["floors"]}
+    assert set(floors) == {
+        ("Block / baseline", "host"),
+        ("Block / baseline", "ops"),
+        ("baseline / plain GPT whole", "host"),
+        ("baseline / plain GPT per block", "host"),
+    }
+    for f in floors.values():  # six paired repetitions: an interval exists
+        assert f["ratio"] > 0 and f["within"] == (f["ratio"] <= f["floor"])
+        assert f["kind"] == "ops" or f["interval"][0] <= f["ratio"] <= f["interval"][1]
+    assert len(result["floor_samples"]["block_chunk"]["host_ms"]) == 6
+    assert "measured on their own" in text and "| Block / baseline, host time | " in text
     assert set(result["steady_over_every_guard"]) == {"baseline", "block"}
     assert "steady guards" in text
     eager = {n: v["host_reads"] for n, v in result["variants"].items() if "host_reads" in v}

@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
         norm = norm_bench.run(out, tokens=256, reps=3, warmup=1)
         binding = binding_bench.run(out, reps=2, warmup=1, rounds=1)
         compiled = compile_bench.run(out, backend="aot_eager", batch=2, seq=32, steps=3)
-        host = host_bench.run(out, backend="aot_eager", reps=2, steps=2, warmup=1)
+        host = host_bench.run(out, backend="aot_eager", reps=2, steps=2, warmup=1, floor_reps=6)
     else:
         depth = depth_attention_bench.run(out)
         pipe = pipeline_bench.run(out)
