@@ -94,18 +94,29 @@ def naive_mix(sources: list[torch.Tensor], query, gain, eps=1e-6):
     [(1, 1, 16), (2, 3, 16), (9, 4, 16), (17, 2, 16), (5, 8, 16), (3, 11, 16), (4, 3, 13),
      (33, 3, 500)],
 )  # fmt: skip
-def test_phase1_matches_naive_definition(impl, n, s, dim):
+@pytest.mark.parametrize("packed", [False, True], ids=["", "packed"])
+def test_phase1_matches_naive_definition(impl, n, s, dim, packed):
     op = get_depth_attention(impl)
+    if packed and op.phase1_packed is None:
+        pytest.skip(f"{impl} takes the queries and gains apart only")
     gen = torch.Generator().manual_seed(n * 10 + s)
     blocks = torch.randn(n, 5, 2, dim, generator=gen).requires_grad_()
     queries = (0.3 * torch.randn(s, dim, generator=gen)).requires_grad_()
     gains = (1 + 0.3 * torch.randn(s, dim, generator=gen)).requires_grad_()
     g_out, g_lse = torch.randn(s, 5, 2, dim, generator=gen), torch.randn(s, 5, 2, generator=gen)
-    out1, lse = op.phase1(blocks, queries, gains)
+    if packed:  # [S, 2, D] weights, one leaf: its gradient is both
+        weights = torch.stack((queries, gains), 1).detach().requires_grad_()
+        out1, lse = op.phase1_packed(blocks, weights)
+    else:
+        out1, lse = op.phase1(blocks, queries, gains)
     assert out1.shape == (s, 5, 2, dim) and lse.shape == (s, 5, 2)
     assert out1.dtype == lse.dtype == torch.float32
     loss = (out1 * g_out).sum() + (lse * g_lse).sum()
-    grads = torch.autograd.grad(loss, [blocks, queries, gains])
+    if packed:
+        grad_b, grad_w = torch.autograd.grad(loss, [blocks, weights])
+        grads = (grad_b, grad_w[:, 0], grad_w[:, 1])
+    else:
+        grads = torch.autograd.grad(loss, [blocks, queries, gains])
 
     b, q, g = (t.detach().double().requires_grad_() for t in (blocks, queries, gains))
     ref = [naive_mix(list(b), q[i], g[i]) for i in range(s)]
@@ -179,8 +190,11 @@ def test_phase1_split_matches_naive_definition(impl, n, s, dim, used, tokens, fi
 @pytest.mark.parametrize("impl", TWO_PHASE)
 @pytest.mark.parametrize("n, m", [(1, 1), (3, 1), (2, 2), (4, 3), (5, 4), (3, 5), (9, 7)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_phase2_completes_the_one_pass_softmax(impl, n, m, dtype):
+@pytest.mark.parametrize("packed", [False, True], ids=["", "packed"])
+def test_phase2_completes_the_one_pass_softmax(impl, n, m, dtype, packed):
     op = get_depth_attention(impl)
+    if packed and op.phase2_packed is None:
+        pytest.skip(f"{impl} takes the query and gain apart only")
     gen = torch.Generator().manual_seed(n * 10 + m)
     blocks = torch.randn(n, 5, 2, 16, generator=gen).to(dtype)
     extra = (2 * torch.randn(m, 5, 2, 16, generator=gen)).to(dtype).requires_grad_()
@@ -189,9 +203,15 @@ def test_phase2_completes_the_one_pass_softmax(impl, n, m, dtype):
     grad = torch.randn(5, 2, 16, generator=gen).to(dtype).float()  # as backward sees it
     out1, lse = op.phase1(blocks, query.detach()[None], gain.detach()[None])
     out1, lse = out1[0].requires_grad_(), lse[0].requires_grad_()
-    out = op.phase2(out1, lse, extra, query, gain)
+    if packed:  # [2, D] weights, one leaf: its gradient is both
+        weights = torch.stack((query, gain)).detach().requires_grad_()
+        out = op.phase2_packed(out1, lse, extra, weights)
+        grads = torch.autograd.grad((out.float() * grad).sum(), [out1, lse, extra, weights])
+        grads = (*grads[:3], grads[3][0], grads[3][1])
+    else:
+        out = op.phase2(out1, lse, extra, query, gain)
+        grads = torch.autograd.grad((out.float() * grad).sum(), [out1, lse, extra, query, gain])
     assert out.dtype == dtype
-    grads = torch.autograd.grad((out.float() * grad).sum(), [out1, lse, extra, query, gain])
 
     # expected: the naive mix over blocks ++ extra; gradients of out1 and lse through the
     # identity out = a0 * out1 + ..., a0 = exp(lse - LSE) (float64 autograd)

@@ -99,6 +99,8 @@ class DepthMixer:
         ``into``: where the op adds the extras' gradient (``grad_into``), or None."""
         if extra is None:
             return out1.to(dtype)
+        if self._op.phase2_packed is not None and into is None:  # one gradient for the row
+            return self._op.phase2_packed(out1, lse, extra, self.weights[self.row], eps=self.eps)
         kw = {} if into is None else {"grad_into": into}
         q, g = self.query_and_gain()
         return self._op.phase2(out1, lse, extra, q, g, eps=self.eps, **kw)
@@ -125,8 +127,10 @@ class DepthMixer:
             else {}
         )
         weights = self.weights[self.row : self.row + 1]
-        q, g = weights[:, 0], weights[:, 1]
-        out1, lse = self._op.phase1(store, q, g, eps=self.eps, **into)
+        if self._op.phase1_packed is not None and not into:
+            out1, lse = self._op.phase1_packed(store, weights, eps=self.eps)
+        else:
+            out1, lse = self._op.phase1(store, weights[:, 0], weights[:, 1], eps=self.eps, **into)
         extra = None if state.partial is None else state.partial.unsqueeze(0)
         return self.merge(out1[0], lse[0], extra, state.store.dtype)
 
@@ -194,7 +198,10 @@ class Segment:
                 into["first_norm"] = (self.first_norm.weight, self.first_norm.eps)
             out1, lse = op.phase1_split(store, queries.unbind(0), gains.unbind(0), eps=eps, **into)
         else:
-            out1, lse = op.phase1(store, queries, gains, eps=eps, **into)
+            if op.phase1_packed is not None and not into:  # one gradient for the weights
+                out1, lse = op.phase1_packed(store, weights, eps=eps)
+            else:
+                out1, lse = op.phase1(store, queries, gains, eps=eps, **into)
             # unbind once: one backward node stacks the S gradients, where S separate index
             # ops would each fill a zero tensor of the whole [S, ...] and add it up
             out1, lse = out1.unbind(0), lse.unbind(0)

@@ -37,7 +37,13 @@ from torch import Tensor
 
 from attnres_dist.ops.depth_attention import depth_attention, validate_inputs
 from attnres_dist.ops.reference import depth_attention_reference
-from attnres_dist.ops.two_phase import phase1, phase2, two_phase_depth_attention
+from attnres_dist.ops.two_phase import (
+    phase1,
+    phase1_packed,
+    phase2,
+    phase2_packed,
+    two_phase_depth_attention,
+)
 
 __all__ = [
     "DEFAULT_DEPTH_ATTENTION",
@@ -73,6 +79,11 @@ class DepthAttentionImpl:
     # phase1_split(blocks, queries: [D] x S, norm_weights: [D] x S, eps[, grad_into])
     #   -> (out1 x S, lse x S)
     phase1_split: Callable[..., tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] | None = None
+    # phase1 / phase2 with each mixer's query and gain packed ([S, 2, D] / [2, D], slices of
+    # the model's mixer_weights): one gradient for both, which the model's parameter takes
+    # as it is. phase1_packed(blocks, weights, eps), phase2_packed(out1, lse, extra, weights, eps)
+    phase1_packed: Callable[..., tuple[Tensor, Tensor]] | None = None
+    phase2_packed: Callable[..., Tensor] | None = None
 
     @property
     def two_phase(self) -> bool:
@@ -94,7 +105,14 @@ DEFAULT_DEPTH_ATTENTION = "lean"
 _REGISTRY: dict[str, DepthAttentionImpl] = {
     "lean": DepthAttentionImpl("lean", depth_attention),
     "reference": DepthAttentionImpl("reference", depth_attention_reference),
-    "twophase": DepthAttentionImpl("twophase", two_phase_depth_attention, phase1, phase2),
+    "twophase": DepthAttentionImpl(
+        "twophase",
+        two_phase_depth_attention,
+        phase1,
+        phase2,
+        phase1_packed=phase1_packed,
+        phase2_packed=phase2_packed,
+    ),
 }
 
 
