@@ -230,6 +230,18 @@ def test_phase2_completes_the_one_pass_softmax(impl, n, m, dtype, packed):
         assert rel_err(a, r) <= (1e-6 if dtype == torch.float32 or i in (0, 1, 3, 4) else 1e-2)
 
 
+def test_packed_weights_of_the_wrong_shape_are_refused():
+    op = get_depth_attention("twophase")
+    blocks, out1, lse = torch.randn(3, 4, 8), torch.randn(4, 8), torch.randn(4)
+    extra = torch.randn(1, 4, 8)
+    for bad in (torch.randn(2, 3, 8), torch.randn(2, 2, 7), torch.randn(2, 8)):
+        with pytest.raises(ValueError, match=r"weights must have shape \[S, 2, D=8\]"):
+            op.phase1_packed(blocks, bad)
+    for bad in (torch.randn(3, 8), torch.randn(2, 7), torch.randn(1, 2, 8)):
+        with pytest.raises(ValueError, match=r"weights must have shape \[2, D=8\]"):
+            op.phase2_packed(out1, lse, extra, bad)
+
+
 @pytest.mark.parametrize("impl", TWO_PHASE)
 def test_phases_save_no_normalised_keys_or_products(impl):
     """Beyond their inputs the phases save per-token statistics only: no [T, D] tensor."""

@@ -177,6 +177,14 @@ def _timed(step, window, steps: int) -> tuple[float, float]:
     return statistics.median(cpu) * 1e3, statistics.median(wall) * 1e3
 
 
+def _rotated(names, r: int) -> list:
+    """``names`` in the order of repetition ``r``: rotated by ``r``, so that each variant
+    runs at each position in turn."""
+    names = list(names)
+    k = r % len(names)
+    return names[k:] + names[:k]
+
+
 def run(
     out_dir: str | Path,
     backend: str = "inductor",
@@ -217,13 +225,13 @@ def run(
         names = list(variants)
         samples = {n: {"host_ms": [], "wall_ms": []} for n in names}
         for r in range(reps):
-            for n in names[r % len(names) :] + names[: r % len(names)]:
+            for n in _rotated(names, r):
                 cpu, wall = _timed(variants[n], window, steps)
                 samples[n]["host_ms"].append(cpu)
                 samples[n]["wall_ms"].append(wall)
         floor_samples = {n: {"host_ms": []} for n in FLOOR_VARIANTS}  # the floors on their own
         for r in range(floor_reps):
-            for n in FLOOR_VARIANTS[r % 4 :] + FLOOR_VARIANTS[: r % 4]:
+            for n in _rotated(FLOOR_VARIANTS, r):
                 floor_samples[n]["host_ms"].append(_timed(variants[n], window, steps)[0])
         ops = {n: top_level_aten_calls(lambda s=s: s(window)) for n, s in variants.items()}
         # eager variants only: a function mode is part of what compiled code guards on (a step

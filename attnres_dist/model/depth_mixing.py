@@ -192,16 +192,16 @@ class Segment:
         )
         normed = self.fuses_first_norm(state)
         weights = _stacked_weights(self.mixers)
-        queries, gains = weights[:, 0], weights[:, 1]
         if op.phase1_split is not None:  # the parameters and slices as they are
             if normed:
                 into["first_norm"] = (self.first_norm.weight, self.first_norm.eps)
-            out1, lse = op.phase1_split(store, queries.unbind(0), gains.unbind(0), eps=eps, **into)
+            queries, gains = weights[:, 0].unbind(0), weights[:, 1].unbind(0)
+            out1, lse = op.phase1_split(store, queries, gains, eps=eps, **into)
         else:
             if op.phase1_packed is not None and not into:  # one gradient for the weights
                 out1, lse = op.phase1_packed(store, weights, eps=eps)
             else:
-                out1, lse = op.phase1(store, queries, gains, eps=eps, **into)
+                out1, lse = op.phase1(store, weights[:, 0], weights[:, 1], eps=eps, **into)
             # unbind once: one backward node stacks the S gradients, where S separate index
             # ops would each fill a zero tensor of the whole [S, ...] and add it up
             out1, lse = out1.unbind(0), lse.unbind(0)

@@ -306,6 +306,15 @@ class _Merge1(torch.autograd.Function):
         return grad_o1, grad_l1, grad_e, grad_w, None
 
 
+def _check_packed(weights: Tensor, dims: int, dim: int) -> None:
+    """Packed weights: ``[S, 2, D]`` (``dims`` 3) or ``[2, D]`` (2), the pair query, gain."""
+    shape = tuple(weights.shape) if isinstance(weights, Tensor) else None
+    if shape is None or len(shape) != dims or shape[-2:] != (2, dim):
+        want = f"[S, 2, D={dim}]" if dims == 3 else f"[2, D={dim}]"
+        got = shape if shape is not None else type(weights).__name__
+        raise ValueError(f"weights must have shape {want} (query, gain per mixer), got {got}")
+
+
 def phase1(
     blocks: Tensor, queries: Tensor, norm_weights: Tensor, eps: float = 1e-6
 ) -> tuple[Tensor, Tensor]:
@@ -329,6 +338,7 @@ def phase1_packed(blocks: Tensor, weights: Tensor, eps: float = 1e-6) -> tuple[T
     """:func:`phase1` with the queries and gains packed as ``weights`` ``[S, 2, D]`` (row
     ``l``: query ``w_l``, gain ``g_l``; a slice of the model's ``mixer_weights``): their
     gradient is one ``[S, 2, D]`` tensor, not two that the caller's graph packs again."""
+    _check_packed(weights, 3, blocks.shape[-1])
     check_phase1(blocks, weights[:, 0], weights[:, 1])
     return _Phase1.apply(blocks, weights, eps)
 
@@ -353,6 +363,7 @@ def phase2_packed(
 ) -> Tensor:
     """:func:`phase2` with the query and gain packed as ``weights`` ``[2, D]``."""
     check_phase2(out1, lse, extra)
+    _check_packed(weights, 2, extra.shape[-1])
     if extra.shape[0] == 1:
         return _Merge1.apply(out1, lse, extra, weights, eps)
     query, norm_weight = weights.unbind(0)
