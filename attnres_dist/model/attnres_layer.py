@@ -41,7 +41,6 @@ from attnres_dist.model import compiled_region, dropout_streams
 from attnres_dist.model.depth_mixing import (
     DepthMixer,
     configure_segments,
-    merge_inputs,
     mixer_weights,
 )
 from attnres_dist.model.depth_state import DepthState
@@ -134,39 +133,22 @@ class AttnResLayer(torch.nn.Module):
         return out if bias is None else out + bias
 
     def _sublayer(self, state: DepthState, sublayer: int, ctx) -> DepthState:
-        first = sublayer % 2 == 1
-        norm = self.layer.input_layernorm if first else self.layer.pre_mlp_layernorm
-        fn = self._attention if first else self._mlp
+        """Sublayer ``sublayer`` as ``hf/modeling_attnres.py:AttnResDecoderLayer.forward``
+        states it (``tests/test_layer_reference.py`` holds the two equal): mix the sources,
+        norm, sublayer, dropout, then add the output to the partial block or close the block
+        with it. Baseline: the norm reads the residual stream, the output is added to it."""
+        attention = sublayer % 2 == 1
+        norm = self.layer.input_layernorm if attention else self.layer.pre_mlp_layernorm
         if self.plan.mode == "baseline":
-            x = state.partial
-            normed = norm(x)
+            normed = norm(state.partial)
         else:
-            mixer = self.attn_mixer if first else self.mlp_mixer
-            if mixer.two_phase:
-                state = self.segments[sublayer].begin(state)  # phase 1 at the segment's start
-                out1, lse, extra, into = merge_inputs(state, sublayer, mixer.grad_into)
-                inputs = (out1, lse, extra, state.store.dtype, into)
-                if state.phase1.first_normed and sublayer == state.phase1.first:
-                    normed = out1  # phase 1 applied this sublayer's norm
-                elif self.recompute == "attnres" and torch.is_grad_enabled():
-                    normed = checkpoint(lambda *a: mixer.merge_norm(norm, *a), *inputs)
-                else:
-                    normed = mixer.merge_norm(norm, *inputs)
-            else:
-                sources = state.sources()
-                if self.recompute == "attnres" and torch.is_grad_enabled():
-                    normed = checkpoint(lambda *s: norm(mixer(s)), *sources)
-                else:
-                    normed = norm(mixer(sources))
+            mixer = self.attn_mixer if attention else self.mlp_mixer
+            state, normed = mixer.mix_norm(state, self.segments.get(sublayer), sublayer, norm)
+        fn = self._attention if attention else self._mlp
         out = F.dropout(fn(normed, ctx), p=self.hidden_dropout, training=self.training)
         if self.probe is not None:
             self.probe.sublayer(self, sublayer, state, out)
-        if self.plan.mode == "baseline":
-            return DepthState(None, x + out, state.layers_done, state.layout)
-        if self.plan.closes_block(sublayer):  # the sum written straight into the store
-            return state.close_block(self.store_capacity, out)
-        partial = out if state.partial is None else state.partial + out
-        return replace(state, partial=partial)
+        return state.add(out, self.plan.closes_block(sublayer), self.store_capacity)
 
     def _context(self, state: DepthState):
         """The sequence context (RoPE tables, mask, layout) of the layers acting on ``state``."""
@@ -250,6 +232,8 @@ def configure_recompute(layers: list[AttnResLayer], mode: str, interval: int = 1
         for layer in group:
             layer.recompute = mode
             layer.group = group
+            if layer.plan.mode != "baseline":
+                layer.attn_mixer.recompute = layer.mlp_mixer.recompute = mode == "attnres"
 
 
 def configure_compiled_runs(layers: list[AttnResLayer]) -> None:

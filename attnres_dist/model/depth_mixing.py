@@ -38,6 +38,7 @@ import torch
 
 from attnres_dist.config.block_plan import BlockPlan
 from attnres_dist.model.depth_state import DepthState, Phase1Cache
+from attnres_dist.model.recompute import checkpoint
 from attnres_dist.ops import get_depth_attention
 from attnres_dist.ops.cpu_rms_norm import CpuRMSNorm
 
@@ -68,6 +69,7 @@ class DepthMixer:
         self.impl = impl
         self._op = get_depth_attention(impl)
         self._merge_norm = self._op.merge_norm  # phase 2 + RMSNorm fused, or None
+        self.recompute = False  # the mix and its norm recomputed in backward (``attnres``)
 
     @property
     def query(self) -> torch.Tensor:
@@ -93,6 +95,24 @@ class DepthMixer:
     def __call__(self, sources, return_weights: bool = False):
         q, g = self.query_and_gain()
         return self._op(q, sources, g, eps=self.eps, return_weights=return_weights)
+
+    def mix_norm(self, state: DepthState, segment, sublayer: int, norm):
+        """(state, ``norm(mix)``): the sublayer's normalised input. Two-phase: phase 1 at the
+        segment's first sublayer (its results join the state), then this sublayer's merge;
+        one-pass: the mix over ``state.sources()``. Under ``recompute`` (``attnres``) the
+        merge or mix and the norm are recomputed in backward."""
+        recompute = self.recompute and torch.is_grad_enabled()
+        if not self.two_phase:
+            mix_norm = lambda *sources: norm(self(sources))  # noqa: E731
+            sources = state.sources()
+            return state, checkpoint(mix_norm, *sources) if recompute else mix_norm(*sources)
+        state = segment.begin(state)
+        out1, lse, extra, into = merge_inputs(state, sublayer, self.grad_into)
+        if state.phase1.first_normed and sublayer == state.phase1.first:
+            return state, out1  # phase 1 applied this sublayer's norm
+        inputs = (out1, lse, extra, state.store.dtype, into)
+        merge_norm = lambda *a: self.merge_norm(norm, *a)  # noqa: E731
+        return state, checkpoint(merge_norm, *inputs) if recompute else merge_norm(*inputs)
 
     def merge(self, out1: torch.Tensor, lse: torch.Tensor, extra, dtype: torch.dtype, into=None):
         """Phase 2: this sublayer's phase-1 slice merged with ``extra`` (None: nothing);

@@ -314,6 +314,14 @@ class DepthState:
             phase1 = replace(phase1, closed=(*phase1.closed, row))
         return replace(self, store=store, partial=None, buffer=buffer, phase1=phase1)
 
+    def add(self, out: torch.Tensor, closes: bool, capacity: int) -> DepthState:
+        """The state after a sublayer's output ``out``: added to the partial block (baseline:
+        to the residual stream), which ``closes`` appends to the store (the sum written
+        straight into its row; ``capacity``: rows of the store's buffer)."""
+        if closes:
+            return self.close_block(capacity, out)
+        return replace(self, partial=out if self.partial is None else self.partial + out)
+
     def payload(self) -> torch.Tensor:
         """ONE tensor ``[k, s, b, h]``: the store, plus the partial block as its last row."""
         if self.store is None:
