@@ -16,7 +16,7 @@ invalidate a smaller store that an autograd node saved (those rows never change)
 of the buffer would.
 
 In backward the buffer also holds the rows' gradient, one ``[capacity, s, b, h]`` tensor: a
-reader that can (the fused phase-1 kernel) adds its share there directly, and ``_Append`` adds
+reader that can (the fused phase-1 kernel) adds its share there directly, and ``_WriteRows`` adds
 what reached its store through autograd (any other reader, a later stage) and hands the row it
 appended its finished gradient, for every reader of a row ran after it in forward. Without
 this, every store of a pass would get a gradient tensor of its own and autograd would add them
@@ -90,10 +90,10 @@ class StoreBuffer:
         self._set(0, self.capacity if rows is None else rows)
         return self._grad
 
-    def grad_row(self, row: int) -> torch.Tensor:
-        """Row ``row``'s gradient so far (zeros where nothing was added yet)."""
-        self._set(row, row + 1)
-        return self._grad[row]
+    def grad_span(self, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``lo:hi`` of the gradient so far (zeros where nothing was added yet)."""
+        self._set(lo, hi)
+        return self._grad[lo:hi]
 
     def grad_rows(self, lo: int, hi: int) -> tuple[torch.Tensor, bool]:
         """(rows ``lo:hi`` of the gradient, accumulate). accumulate False: no value is in them
@@ -133,76 +133,65 @@ class StoreBuffer:
             i = j
 
 
-class _Append(torch.autograd.Function):
-    """``cat([store, (row + addend)[None]])`` written into ``buffer`` in place, returned as an
-    alias, and the new row as one too (the closed block, for a phase 2 that merges it).
-    ``addend`` (or None) is added on the way: closing a Block block writes ``partial + out``
-    straight into its row, where the sum would be formed, then copied (one pass and one autograd
-    node fewer per block)."""
+class _WriteRows(torch.autograd.Function):
+    """``pieces`` (each ``[k, s, b, h]``) written one after the other into ``buffer``'s rows,
+    from the end of ``store`` on, ``addend`` (or None) added to the last piece on the way (a
+    Block block closes as ``partial + out`` written straight into its row, where the sum
+    would be formed, then copied). ``store`` is None or the alias of the buffer's leading
+    rows, which already hold its values. Returns the alias of every row written so far and
+    the alias of the last one (a closed block, for a phase 2 that merges it).
+
+    This is the one place a store is made: an append, a received payload adopted into a
+    buffer, a stage's input assembled from cached and received blocks.
+
+    Backward: the rows' gradient gathers in the buffer (readers that can add theirs there
+    directly; what reached either output through autograd is added to it), and each piece
+    gets its rows of it: every reader of those rows read this alias or a later one, so they
+    have all run. ``store`` gets none: its rows' gradient stays in the buffer for the function
+    that wrote them, which runs its backward after this one (``store`` is an input for that
+    order). Only the pieces' rows are read: filling the others would zero rows that a later
+    reader writes in full."""
 
     @staticmethod
-    def forward(ctx, store, row, buffer: StoreBuffer, addend=None):
-        c = store.shape[0]
-        ctx.copied = not buffer.holds(store)
-        if ctx.copied:
-            buffer.data[:c].copy_(store)
+    def forward(ctx, buffer: StoreBuffer, store, addend, *pieces):
+        lo = 0 if store is None else store.shape[0]
+        spans = []
+        for piece in pieces:
+            hi = lo + piece.shape[0]
+            spans.append((lo, hi))
+            lo = hi
+        for (lo, hi), piece in zip(spans[:-1], pieces[:-1], strict=True):
+            buffer.data[lo:hi].copy_(piece)
+        lo, hi = spans[-1]
         if addend is None:
-            buffer.data[c].copy_(row)
+            buffer.data[lo:hi].copy_(pieces[-1])
         else:
-            torch.add(row, addend, out=buffer.data[c])
-        ctx.rows, ctx.buffer = c, buffer
+            torch.add(pieces[-1], addend, out=buffer.data[lo:hi])
+        ctx.spans, ctx.buffer = spans, buffer
         ctx.set_materialize_grads(False)
-        return _alias(buffer.data, c + 1), _alias_row(buffer.data, c)
+        return _alias(buffer.data, hi), _alias_row(buffer.data, hi - 1)
 
     @staticmethod
-    def backward(ctx, grad, grad_row=None):
-        c = ctx.rows
+    def backward(ctx, grad, grad_row):
+        buffer, end = ctx.buffer, ctx.spans[-1][1]
         if grad is not None:  # readers that returned their gradient through autograd
-            ctx.buffer.add_grad(grad)
+            buffer.add_grad(grad)
         if grad_row is not None:
-            ctx.buffer.add_grad(grad_row.unsqueeze(0), c)
-        # every reader of row c read a store this append made (or a later one), so they have
-        # all run; rows < c of an aliased store may still get gradient from readers of the
-        # store this one grew (they gather in the buffer until the append that wrote them),
-        # so only row c is read here: filling the others would zero rows a later reader
-        # writes in full. A copied store's readers of this store's rows ran already.
-        if not ctx.copied:
-            row = ctx.buffer.grad_row(c)
-            return None, row, None, row if ctx.needs_input_grad[3] else None
-        acc = ctx.buffer.grad(c + 1)
-        return acc[:c], acc[c], None, acc[c] if ctx.needs_input_grad[3] else None
+            buffer.add_grad(grad_row.unsqueeze(0), end - 1)
+        grads = [buffer.grad_span(lo, hi) for lo, hi in ctx.spans]
+        grad_addend = grads[-1].squeeze(0) if ctx.needs_input_grad[2] else None
+        return None, None, grad_addend, *grads
 
 
-class _Adopt(torch.autograd.Function):
-    """A received payload ``[k, s, b, h]`` as a state's parts: its completed blocks copied into
-    ``buffer`` (returned as the buffer's alias, so the stage's readers gather their gradient
-    there and later blocks grow in place) and its partial block, if any (a copy of the last
-    row). Backward hands the payload ONE gradient (the buffer's rows, and the partial block's):
-    slicing the payload would give each part a zero-filled gradient of the whole payload,
-    added up."""
-
-    @staticmethod
-    def forward(ctx, payload, completed: int, has_partial: bool, buffer: StoreBuffer):
-        buffer.data[:completed].copy_(payload[:completed])
-        ctx.completed, ctx.has_partial, ctx.buffer = completed, has_partial, buffer
-        ctx.set_materialize_grads(False)
-        store = _alias(buffer.data, completed)
-        if not has_partial:
-            return store
-        return store, payload[completed].clone()
-
-    @staticmethod
-    def backward(ctx, grad_store, grad_partial=None):
-        c, buffer = ctx.completed, ctx.buffer
-        if grad_store is not None:  # readers that returned their gradient through autograd
-            buffer.add_grad(grad_store)
-        rows = buffer.grad(c)[:c]  # every reader of these rows read this store or a later one
-        if not ctx.has_partial:
-            return rows, None, None, None
-        grad = rows.new_empty((c + 1, *rows.shape[1:]))
-        grad[:c].copy_(rows)
-        grad[c].copy_(grad_partial) if grad_partial is not None else grad[c].zero_()
-        return grad, None, None, None
+def write_rows(
+    buffer: StoreBuffer,
+    store: torch.Tensor | None,
+    pieces: list[torch.Tensor],
+    addend: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the store with ``pieces`` written after ``store``'s rows, its last row): see
+    ``_WriteRows``."""
+    return _WriteRows.apply(buffer, store, addend, *pieces)
 
 
 @dataclass(frozen=True)
@@ -290,7 +279,8 @@ class DepthState:
             # compiler sees (the buffer's aliases and gradient rows are eager-only)
             row = (row if addend is None else row + addend).to(dtype)
             return torch.cat([self.store, row.unsqueeze(0)]), row, None
-        if buffer is None or buffer.capacity <= c or not buffer.holds(self.store):
+        held = buffer is not None and buffer.capacity > c and buffer.holds(self.store)
+        if not held:
             buffer = StoreBuffer(
                 torch.empty(
                     (max(capacity, c + 1), *self.store.shape[1:]),
@@ -298,7 +288,11 @@ class DepthState:
                     device=self.store.device,
                 )
             )
-        store, row = _Append.apply(self.store, row.to(dtype), buffer, addend)
+        row = row.to(dtype).unsqueeze(0)
+        if held:
+            store, row = write_rows(buffer, self.store, [row], addend)
+        else:
+            store, row = write_rows(buffer, None, [self.store, row], addend)
         return store, row, buffer
 
     def close_block(self, capacity: int, out: torch.Tensor | None = None) -> DepthState:
@@ -329,14 +323,6 @@ class DepthState:
         if self.partial is None:
             return self.store
         return self.append(self.partial, self.num_completed + 1)[0]
-
-    def to(self, dtype: torch.dtype) -> DepthState:
-        """The state with every tensor in ``dtype`` (the phase-1 cache stays float32)."""
-        store, buffer = self.store, self.buffer
-        if store is not None and store.dtype != dtype:
-            store, buffer = store.to(dtype), None
-        partial = None if self.partial is None else self.partial.to(dtype)
-        return replace(self, store=store, partial=partial, buffer=buffer)
 
     @staticmethod
     def from_parts(
@@ -369,12 +355,28 @@ class DepthState:
         capacity: int,
     ) -> DepthState:
         """Inverse of :meth:`payload` into a new store buffer of ``capacity`` rows (the blocks
-        copied once; see ``_Adopt``), for a stage whose layers grow the store further."""
+        copied once; see ``_WriteRows``), for a stage whose layers grow the store further."""
         if num_completed == 0:
             return DepthState.from_payload(payload, 0, has_partial, layers_done)
         buffer = StoreBuffer(payload.new_empty((max(capacity, num_completed), *payload.shape[1:])))
-        parts = _Adopt.apply(payload, num_completed, has_partial, buffer)
-        store, partial = parts if has_partial else (parts, None)
+        store, _ = write_rows(buffer, None, [payload[:num_completed]])
+        partial = payload[num_completed] if has_partial else None
+        return DepthState(store, partial, layers_done, buffer=buffer)
+
+    @staticmethod
+    def assemble(
+        pieces: list[torch.Tensor],
+        partial: torch.Tensor | None,
+        layers_done: int,
+        capacity: int,
+    ) -> DepthState:
+        """A state whose store is ``pieces`` (each ``[k, s, b, h]``: cached and received
+        blocks) written in order into a new buffer of ``capacity`` rows, where the layers
+        after it grow the store in place."""
+        like = pieces[0]
+        rows = sum(p.shape[0] for p in pieces)
+        buffer = StoreBuffer(like.new_empty((max(capacity, rows), *like.shape[1:])))
+        store, _ = write_rows(buffer, None, pieces)
         return DepthState(store, partial, layers_done, buffer=buffer)
 
     @staticmethod

@@ -40,42 +40,13 @@ from collections import defaultdict
 
 import torch
 
-from attnres_dist.model.depth_state import DepthState, StoreBuffer, _alias
+from attnres_dist.model.depth_state import DepthState
 from attnres_dist.pipeline.contract import check_payload, pack
 from attnres_dist.pipeline.stage_cache_plan import CachePlan
 
 
 class CacheLeakError(RuntimeError):
     """Cached blocks or stashed gradients left over where none may be (optimizer step, eval)."""
-
-
-class _Assemble(torch.autograd.Function):
-    """The store ``[cached..., received...]`` written into ``buffer`` (a ``StoreBuffer``),
-    returned as an alias.
-
-    Its rows' gradient is the buffer's (readers add theirs there, ``model/depth_state.py``)
-    plus what reached the store through autograd. The backward hands each cached leaf a
-    gradient tensor of its own (a view would keep the whole ``[c, s, b, h]`` storage alive in
-    the stash) and the received rows a view, which flows into the received payload's gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, buffer: StoreBuffer, received, *cached):
-        n = len(cached)
-        for i, block in enumerate(cached):
-            buffer.data[i].copy_(block)
-        rows = n + received.shape[0]
-        buffer.data[n:rows].copy_(received)
-        ctx.n, ctx.rows, ctx.buffer = n, rows, buffer
-        ctx.set_materialize_grads(False)
-        return _alias(buffer.data, rows)
-
-    @staticmethod
-    def backward(ctx, grad):
-        n, acc = ctx.n, ctx.buffer.grad()[: ctx.rows]
-        if grad is not None:
-            acc += grad
-        return (None, acc[n:], *(acc[i].clone() for i in range(n)))
 
 
 class CachedBoundary:
@@ -156,10 +127,9 @@ class CachedBoundary:
             state = DepthState.from_payload(payload, completed, has_partial, layers)
         else:
             end = layers + len(lay.layers_of(chunk))
-            rows = max(self.block_plan.boundary_width(end), completed)
-            buffer = StoreBuffer(payload.new_empty((rows, *payload.shape[1:])))
-            store = _Assemble.apply(buffer, payload[:fresh], *cached)
-            state = DepthState(store, partial, layers, None, buffer)
+            pieces = [block.unsqueeze(0) for block in cached] + [payload[:fresh]]
+            capacity = self.block_plan.boundary_width(end)
+            state = DepthState.assemble(pieces, partial, layers, capacity)
         for e in self._by_source[chunk]:
             if e.received:
                 self._keep(micro_batch, e, payload[e.block - len(reads)])
@@ -241,7 +211,8 @@ class CachedBoundary:
             self._pending.get(key, set()).discard(chunk)
             if leaf.grad is not None:
                 old = self._stash.get(key)
-                self._stash[key] = leaf.grad if old is None else old + leaf.grad
+                # a tensor of its own: the leaf's gradient is a row of its store buffer's
+                self._stash[key] = leaf.grad.clone() if old is None else old + leaf.grad
         self._measure()
         handed = (chunk, micro_batch) in self._handed
         self._handed.discard((chunk, micro_batch))
