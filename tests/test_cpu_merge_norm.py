@@ -10,10 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnres_dist.ops import get_depth_attention
-from attnres_dist.ops.cpu_merge_norm import merge_rms_norm
+from attnres_dist.ops import cpu_merge_norm, get_depth_attention
 from attnres_dist.ops.cpu_rms_norm import CpuRMSNorm
-from attnres_dist.ops.cpu_two_phase import requirement
+from attnres_dist.ops.cpu_two_phase import phase2, requirement
 
 pytestmark = pytest.mark.skipif(requirement() is not None, reason=f"{requirement()}")
 
@@ -42,8 +41,15 @@ def _inputs(n: int, dim: int, seed: int, m: int = 1):
 
 
 def _phase1(blocks, query, key_gain):
-    out1, lse = get_depth_attention("cpu_fused").phase1(blocks, query[None], key_gain[None])
+    weights = torch.stack((query, key_gain))[None]
+    out1, lse = get_depth_attention("cpu_fused").phase1(blocks, weights)
     return out1[0].detach(), lse[0].detach()
+
+
+def merge_rms_norm(out1, lse, extra, query, key_gain, norm_weight, **kw):
+    """The fused op, its query and key gain given apart (packed here, on the graph)."""
+    weights = torch.stack((query, key_gain))
+    return cpu_merge_norm.merge_rms_norm(out1, lse, extra, weights, norm_weight, **kw)
 
 
 NAMES = ["out1", "lse", "extra", "query", "key_gain", "norm"]
@@ -80,13 +86,13 @@ def test_values_and_all_gradients_match_the_definition(n, m, dim):
 def test_equals_the_merge_and_the_norm_composed(m, dim):
     """Same per-token arithmetic as the two standalone kernels: values and gradients equal."""
     from attnres_dist.ops.cpu_rms_norm import rms_norm
-    from attnres_dist.ops.cpu_two_phase import phase2
 
     blocks, extra, query, key_gain, norm_weight, grad = _inputs(3, dim, 11 * m + dim, m)
     out1, lse = _phase1(blocks, query, key_gain)
     leaves = [t.clone().requires_grad_() for t in (out1, lse, extra, query, key_gain, norm_weight)]
     fused = merge_rms_norm(*leaves)
-    composed = rms_norm(phase2(*leaves[:5]), leaves[5], 1e-5)
+    weights = torch.stack(leaves[3:5])
+    composed = rms_norm(phase2(*leaves[:3], weights), leaves[5], 1e-5)
     assert torch.equal(fused, composed)
     grads_f = torch.autograd.grad(fused, leaves, grad)
     grads_c = torch.autograd.grad(composed, leaves, grad)
@@ -124,13 +130,12 @@ def test_extra_gradient_is_added_into_the_given_buffer(accumulate):
 def test_other_dtypes_compose_the_merge_and_the_norm():
     blocks, extra, query, key_gain, norm_weight, _ = _inputs(2, 16, 3)
     out1, lse = _phase1(blocks, query, key_gain)
-    y = merge_rms_norm(
+    y = phase2(
         out1.double(),
         lse.double(),
         extra.double(),
-        query.double(),
-        key_gain.double(),
-        norm_weight.double(),
+        torch.stack((query, key_gain)).double(),
+        norm=(norm_weight.double(), 1e-5),
     )
     want = definition(
         blocks.double(), extra.double(), query.double(), key_gain.double(), norm_weight.double()
@@ -171,21 +176,32 @@ def test_model_with_the_fused_merge_equals_it_without(mode, recompute):
         if name.endswith("mixer_weights"):  # the queries: [mixers, (query, key gain), D]
             p.data[:, 0].copy_(0.5 * torch.randn(p[:, 0].shape, generator=gen))
     models[1].load_state_dict(models[0].state_dict())
+    import dataclasses
+
+    from attnres_dist.ops import cpu_two_phase
+
     calls = []
-    fused = get_depth_attention("cpu_fused").merge_norm
+    fused = cpu_two_phase.merge_rms_norm
 
     def counted(*args, **kw):
         calls.append(1)
         return fused(*args, **kw)
 
+    op = get_depth_attention("cpu_fused")
+    unfused = dataclasses.replace(op, options=op.options - {"norm"})
+
     window = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(0))
     results = []
-    for model, impl in zip(models, [counted, None], strict=True):
+    for model, backend in zip(models, [op, unfused], strict=True):
         mixers = [model.final.mixer]
         mixers += [m for layer in model.layers for m in (layer.attn_mixer, layer.mlp_mixer)]
         for m in mixers:
-            m._merge_norm = impl
-        loss = model.loss(window)
+            m._op = backend
+        cpu_two_phase.merge_rms_norm = counted if backend is op else fused
+        try:
+            loss = model.loss(window)
+        finally:
+            cpu_two_phase.merge_rms_norm = fused
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
     assert calls

@@ -278,7 +278,7 @@ def test_registry():
     with pytest.raises(ValueError, match="allowed:.*'lean'.*'reference'"):
         get_depth_attention("fused_cuda_missing")
     with pytest.raises(ValueError, match="already registered"):
-        register_depth_attention(DepthAttentionImpl("lean", depth_attention_reference))
+        register_depth_attention(DepthAttentionImpl("lean", one_pass=depth_attention_reference))
     with pytest.raises(ValueError, match="DepthAttentionImpl"):
         register_depth_attention(depth_attention_reference)
 
@@ -286,6 +286,6 @@ def test_registry():
 def test_registry_accepts_new_impl(monkeypatch):
     registry = dict(importlib.import_module("attnres_dist.ops")._REGISTRY)
     monkeypatch.setattr(importlib.import_module("attnres_dist.ops"), "_REGISTRY", registry)
-    impl = DepthAttentionImpl("test_impl", depth_attention_reference)
+    impl = DepthAttentionImpl("test_impl", one_pass=depth_attention_reference)
     register_depth_attention(impl)
     assert get_depth_attention("test_impl") is impl

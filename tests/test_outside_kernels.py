@@ -160,8 +160,9 @@ def test_flash_attn_res_two_phase_on_cuda(n, m):
     queries = torch.stack([query, 0.7 * query.flip(0)])
     gains = torch.stack([gain, gain.flip(0)])
     b, e, q, g = (t.clone().requires_grad_() for t in (sources[:n], sources[n:], queries, gains))
-    out1, lse = impl.phase1(b, q, g, eps=EPS)
-    outs = [impl.phase2(out1[i], lse[i], e, q[i], g[i], eps=EPS) for i in range(2)]
+    weights = torch.stack((q, g), 1)
+    out1, lse = impl.phase1(b, weights, eps=EPS)
+    outs = [impl.phase2(out1[i], lse[i], e, weights[i], eps=EPS) for i in range(2)]
     got = torch.autograd.grad(sum((o.float() * grad.float()).sum() for o in outs), [b, e, q, g])
     b2, e2, q2, g2 = (t.detach().float().requires_grad_() for t in (b, e, q, g))
     src = [*b2.unbind(0), *e2.unbind(0)]

@@ -94,29 +94,22 @@ def naive_mix(sources: list[torch.Tensor], query, gain, eps=1e-6):
     [(1, 1, 16), (2, 3, 16), (9, 4, 16), (17, 2, 16), (5, 8, 16), (3, 11, 16), (4, 3, 13),
      (33, 3, 500)],
 )  # fmt: skip
-@pytest.mark.parametrize("packed", [False, True], ids=["", "packed"])
-def test_phase1_matches_naive_definition(impl, n, s, dim, packed):
+def test_phase1_matches_naive_definition(impl, n, s, dim):
     op = get_depth_attention(impl)
-    if packed and op.phase1_packed is None:
-        pytest.skip(f"{impl} takes the queries and gains apart only")
     gen = torch.Generator().manual_seed(n * 10 + s)
     blocks = torch.randn(n, 5, 2, dim, generator=gen).requires_grad_()
     queries = (0.3 * torch.randn(s, dim, generator=gen)).requires_grad_()
     gains = (1 + 0.3 * torch.randn(s, dim, generator=gen)).requires_grad_()
     g_out, g_lse = torch.randn(s, 5, 2, dim, generator=gen), torch.randn(s, 5, 2, generator=gen)
-    if packed:  # [S, 2, D] weights, one leaf: its gradient is both
-        weights = torch.stack((queries, gains), 1).detach().requires_grad_()
-        out1, lse = op.phase1_packed(blocks, weights)
-    else:
-        out1, lse = op.phase1(blocks, queries, gains)
+    # [S, 2, D] weights, one leaf: its gradient is both
+    weights = torch.stack((queries, gains), 1).detach().requires_grad_()
+    out1, lse = op.phase1(blocks, weights)
+    out1, lse = torch.stack(out1), torch.stack(lse)
     assert out1.shape == (s, 5, 2, dim) and lse.shape == (s, 5, 2)
     assert out1.dtype == lse.dtype == torch.float32
     loss = (out1 * g_out).sum() + (lse * g_lse).sum()
-    if packed:
-        grad_b, grad_w = torch.autograd.grad(loss, [blocks, weights])
-        grads = (grad_b, grad_w[:, 0], grad_w[:, 1])
-    else:
-        grads = torch.autograd.grad(loss, [blocks, queries, gains])
+    grad_b, grad_w = torch.autograd.grad(loss, [blocks, weights])
+    grads = (grad_b, grad_w[:, 0], grad_w[:, 1])
 
     b, q, g = (t.detach().double().requires_grad_() for t in (blocks, queries, gains))
     ref = [naive_mix(list(b), q[i], g[i]) for i in range(s)]
@@ -130,22 +123,21 @@ def test_phase1_matches_naive_definition(impl, n, s, dim, packed):
         assert rel_err(a, e) <= tol
 
 
-SPLIT = [name for name in TWO_PHASE if get_depth_attention(name).phase1_split is not None]
-
-
-@pytest.mark.parametrize("impl", SPLIT)
+@pytest.mark.parametrize("impl", TWO_PHASE)
 # S = 1, 2; 3; 4, 8: the C kernels take queries 2, 3 or 4 at a time
 @pytest.mark.parametrize("n, s, dim", [(1, 1, 16), (3, 2, 13), (4, 3, 21), (9, 4, 16), (5, 8, 72)])
 @pytest.mark.parametrize("used", ["all", "some"])
 @pytest.mark.parametrize("tokens", [(5, 2), (37, 1)], ids=["10", "37"])
 @pytest.mark.parametrize("first_norm", [False, True], ids=["", "first_norm"])
-def test_phase1_split_matches_naive_definition(impl, n, s, dim, used, tokens, first_norm):
-    """Per-query parameters in, per-query outputs out; "some": the loss reads the first
+def test_phase1_per_query_outputs_match_naive_definition(impl, n, s, dim, used, tokens, first_norm):
+    """Per-query parameters in (packed), per-query outputs out; "some": the loss reads the first
     query's output and the last one's log-sum-exp only, so the others get no gradient.
     37 tokens: more than one tile of the C kernels (8 or 16 tokens), the last one partial.
     first_norm: the first output is an RMSNorm (its own gain, eps 1e-5) of the first query's
     mix, and the gain gets its gradient too."""
     op = get_depth_attention(impl)
+    if first_norm and "first_norm" not in op.options:
+        pytest.skip(f"{impl} does not fuse the first sublayer's norm")
     gen = torch.Generator().manual_seed(n * 10 + s)
     blocks = torch.randn(n, *tokens, dim, generator=gen).requires_grad_()
     queries = [(0.3 * torch.randn(dim, generator=gen)).requires_grad_() for _ in range(s)]
@@ -157,7 +149,8 @@ def test_phase1_split_matches_naive_definition(impl, n, s, dim, used, tokens, fi
         g_out[1:] = 0
         g_lse[:-1] = 0
     kw = {"first_norm": (norm_gain, 1e-5)} if first_norm else {}
-    out1, lse = op.phase1_split(blocks, queries, gains, **kw)
+    weights = torch.stack([torch.stack(pair) for pair in zip(queries, gains, strict=True)])
+    out1, lse = op.phase1(blocks, weights, **kw)
     assert len(out1) == len(lse) == s
     shapes = [(o.shape, x.shape) for o, x in zip(out1, lse, strict=True)]
     assert all(o == (*tokens, dim) and x == tokens for o, x in shapes)
@@ -190,27 +183,21 @@ def test_phase1_split_matches_naive_definition(impl, n, s, dim, used, tokens, fi
 @pytest.mark.parametrize("impl", TWO_PHASE)
 @pytest.mark.parametrize("n, m", [(1, 1), (3, 1), (2, 2), (4, 3), (5, 4), (3, 5), (9, 7)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("packed", [False, True], ids=["", "packed"])
-def test_phase2_completes_the_one_pass_softmax(impl, n, m, dtype, packed):
+def test_phase2_completes_the_one_pass_softmax(impl, n, m, dtype):
     op = get_depth_attention(impl)
-    if packed and op.phase2_packed is None:
-        pytest.skip(f"{impl} takes the query and gain apart only")
     gen = torch.Generator().manual_seed(n * 10 + m)
     blocks = torch.randn(n, 5, 2, 16, generator=gen).to(dtype)
     extra = (2 * torch.randn(m, 5, 2, 16, generator=gen)).to(dtype).requires_grad_()
     query = (0.3 * torch.randn(16, generator=gen)).requires_grad_()
     gain = (1 + 0.3 * torch.randn(16, generator=gen)).requires_grad_()
     grad = torch.randn(5, 2, 16, generator=gen).to(dtype).float()  # as backward sees it
-    out1, lse = op.phase1(blocks, query.detach()[None], gain.detach()[None])
-    out1, lse = out1[0].requires_grad_(), lse[0].requires_grad_()
-    if packed:  # [2, D] weights, one leaf: its gradient is both
-        weights = torch.stack((query, gain)).detach().requires_grad_()
-        out = op.phase2_packed(out1, lse, extra, weights)
-        grads = torch.autograd.grad((out.float() * grad).sum(), [out1, lse, extra, weights])
-        grads = (*grads[:3], grads[3][0], grads[3][1])
-    else:
-        out = op.phase2(out1, lse, extra, query, gain)
-        grads = torch.autograd.grad((out.float() * grad).sum(), [out1, lse, extra, query, gain])
+    out1, lse = op.phase1(blocks, torch.stack((query, gain)).detach()[None])
+    out1, lse = out1[0].detach().requires_grad_(), lse[0].detach().requires_grad_()
+    # [2, D] weights, one leaf: its gradient is both
+    weights = torch.stack((query, gain)).detach().requires_grad_()
+    out = op.phase2(out1, lse, extra, weights)
+    grads = torch.autograd.grad((out.float() * grad).sum(), [out1, lse, extra, weights])
+    grads = (*grads[:3], grads[3][0], grads[3][1])
     assert out.dtype == dtype
 
     # expected: the naive mix over blocks ++ extra; gradients of out1 and lse through the
@@ -236,10 +223,10 @@ def test_packed_weights_of_the_wrong_shape_are_refused():
     extra = torch.randn(1, 4, 8)
     for bad in (torch.randn(2, 3, 8), torch.randn(2, 2, 7), torch.randn(2, 8)):
         with pytest.raises(ValueError, match=r"weights must have shape \[S, 2, D=8\]"):
-            op.phase1_packed(blocks, bad)
+            op.phase1(blocks, bad)
     for bad in (torch.randn(3, 8), torch.randn(2, 7), torch.randn(1, 2, 8)):
         with pytest.raises(ValueError, match=r"weights must have shape \[2, D=8\]"):
-            op.phase2_packed(out1, lse, extra, bad)
+            op.phase2(out1, lse, extra, bad)
 
 
 @pytest.mark.parametrize("impl", TWO_PHASE)
@@ -248,20 +235,20 @@ def test_phases_save_no_normalised_keys_or_products(impl):
     op = get_depth_attention(impl)
     n, s, tokens, dim = 6, 4, 64, 32
     blocks = torch.randn(n, tokens, dim).requires_grad_()
-    queries, gains = torch.randn(s, dim).requires_grad_(), torch.ones(s, dim).requires_grad_()
+    weights = torch.stack((torch.randn(s, dim), torch.ones(s, dim)), 1).requires_grad_()
     partial = torch.randn(tokens, dim).requires_grad_()
     with SavedTensorCounter() as c1:
-        out1, lse = op.phase1(blocks, queries, gains)
+        out1, lse = op.phase1(blocks, weights)
     with SavedTensorCounter() as c2:
-        out = op.phase2(out1[1], lse[1], partial[None], queries[1], gains[1])
+        out = op.phase2(out1[1], lse[1], partial[None], weights[1])
     # phase 1 may keep per token and block one key statistic and the S logits (S / D of the
     # blocks' size) and per token and query its log-sum-exp; phase 2 a few floats per token
     bounds = (4 * tokens * (n * (1 + s) + s), 4 * tokens * 2 * s)
-    cases = ((c1, [blocks, queries, gains]), (c2, [out1, lse, partial, queries]))
+    cases = ((c1, [blocks, weights]), (c2, [*out1, *lse, partial, weights[1]]))
     for (counter, inputs), bound in zip(cases, bounds, strict=True):
-        extra = counter.extra_tensors([*inputs, gains])
+        extra = counter.extra_tensors(inputs)
         assert all(t.numel < tokens * dim for t in extra), extra
-        assert counter.extra_bytes([*inputs, gains]) <= bound
+        assert counter.extra_bytes(inputs) <= bound
     del out
 
 
@@ -279,7 +266,9 @@ def test_auto_and_refusals(monkeypatch):
     registry = dict(ops_ns["_REGISTRY"])
     monkeypatch.setattr("attnres_dist.ops._REGISTRY", registry)
     register_depth_attention(
-        DepthAttentionImpl("needs_x", depth_attention_reference, requirement=lambda: "x missing")
+        DepthAttentionImpl(
+            "needs_x", one_pass=depth_attention_reference, requirement=lambda: "x missing"
+        )
     )
     with pytest.raises(ConfigError) as err:
         select_depth_attention("needs_x", "cpu")
@@ -288,7 +277,9 @@ def test_auto_and_refusals(monkeypatch):
     assert "lean" in message and "needs_x" not in message.split("available here:")[1]
     # without the C kernels (no compiler) auto takes the torch two-phase ops and says why
     register_depth_attention(
-        DepthAttentionImpl("cpu_fused", depth_attention_reference, requirement=lambda: "no cc"),
+        DepthAttentionImpl(
+            "cpu_fused", one_pass=depth_attention_reference, requirement=lambda: "no cc"
+        ),
         overwrite=True,
     )
     choice = select_depth_attention("auto", "cpu")
@@ -310,7 +301,9 @@ def test_auto_on_cuda_prefers_fla_then_triton(monkeypatch, runnable, expected):
     monkeypatch.setattr("attnres_dist.ops._REGISTRY", registry)
     for name in ("fla", "triton"):
         why = None if name in runnable else f"{name} is not installed"
-        impl = DepthAttentionImpl(name, depth_attention_reference, requirement=lambda w=why: w)
+        impl = DepthAttentionImpl(
+            name, one_pass=depth_attention_reference, requirement=lambda w=why: w
+        )
         register_depth_attention(impl, overwrite=True)
     choice = select_depth_attention("auto", "cuda")
     assert choice.value == expected

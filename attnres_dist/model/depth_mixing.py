@@ -60,7 +60,7 @@ def mixer_weights(sublayers: int, hidden_size: int) -> torch.nn.Parameter:
 class DepthMixer:
     """Softmax attention over depth with a learned pseudo-query (zero at init) and key gain:
     row ``row`` of a packed ``mixer_weights`` parameter that the layer (or the final
-    aggregation) owns, run by the configured implementation."""
+    aggregation) owns, run by the configured backend (``attnres_dist.ops``)."""
 
     def __init__(self, weights: torch.nn.Parameter, row: int, impl: str = "lean", eps=1e-6):
         self.weights = weights
@@ -68,7 +68,6 @@ class DepthMixer:
         self.eps = eps
         self.impl = impl
         self._op = get_depth_attention(impl)
-        self._merge_norm = self._op.merge_norm  # phase 2 + RMSNorm fused, or None
         self.recompute = False  # the mix and its norm recomputed in backward (``attnres``)
 
     @property
@@ -79,21 +78,17 @@ class DepthMixer:
     def key_norm_weight(self) -> torch.Tensor:
         return self.weights[self.row, 1]
 
-    def query_and_gain(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Both, from one view of the row (one backward node for the two gradients)."""
-        query, gain = self.weights[self.row].unbind(0)
-        return query, gain
-
     @property
     def two_phase(self) -> bool:
         return self._op.two_phase
 
     @property
     def grad_into(self) -> bool:
-        return self._op.grad_into
+        """Whether the backend's phases add their inputs' gradient into given rows."""
+        return "grad_into" in self._op.options
 
     def __call__(self, sources, return_weights: bool = False):
-        q, g = self.query_and_gain()
+        q, g = self.weights[self.row].unbind(0)  # one view: one backward node for the two
         return self._op(q, sources, g, eps=self.eps, return_weights=return_weights)
 
     def mix_norm(self, state: DepthState, segment, sublayer: int, norm):
@@ -111,46 +106,35 @@ class DepthMixer:
         if state.phase1.first_normed and sublayer == state.phase1.first:
             return state, out1  # phase 1 applied this sublayer's norm
         inputs = (out1, lse, extra, state.store.dtype, into)
-        merge_norm = lambda *a: self.merge_norm(norm, *a)  # noqa: E731
+        merge_norm = lambda *a: self.merge(*a, norm=norm)  # noqa: E731
         return state, checkpoint(merge_norm, *inputs) if recompute else merge_norm(*inputs)
 
-    def merge(self, out1: torch.Tensor, lse: torch.Tensor, extra, dtype: torch.dtype, into=None):
-        """Phase 2: this sublayer's phase-1 slice merged with ``extra`` (None: nothing);
-        ``into``: where the op adds the extras' gradient (``grad_into``), or None."""
+    def merge(self, out1, lse, extra, dtype: torch.dtype, into=None, norm=None):
+        """Phase 2: this mixer's phase-1 result merged with ``extra`` (None: nothing), then
+        ``norm`` (a module, or None), fused into the merge where the backend fuses an RMSNorm
+        and ``norm`` is one (``CpuRMSNorm``); ``into``: where the backend adds the extras'
+        gradient (``grad_into``), or None."""
         if extra is None:
-            return out1.to(dtype)
-        if self._op.phase2_packed is not None and into is None:  # one gradient for the row
-            return self._op.phase2_packed(out1, lse, extra, self.weights[self.row], eps=self.eps)
-        kw = {} if into is None else {"grad_into": into}
-        q, g = self.query_and_gain()
-        return self._op.phase2(out1, lse, extra, q, g, eps=self.eps, **kw)
-
-    def merge_norm(self, norm, out1, lse, extra, dtype: torch.dtype, into=None):
-        """``norm(self.merge(...))``: one fused kernel where the implementation has one
-        (its ``merge_norm``), the norm is a ``CpuRMSNorm`` and there is something to merge."""
-        fused = self._merge_norm
-        if fused is None or extra is None or not isinstance(norm, CpuRMSNorm):
-            return norm(self.merge(out1, lse, extra, dtype, into))
-        kw = {} if into is None else {"grad_into": into}
-        q, g = self.query_and_gain()
-        return fused(out1, lse, extra, q, g, norm.weight, eps=self.eps, norm_eps=norm.eps, **kw)
+            out = out1.to(dtype)
+            return out if norm is None else norm(out)
+        options = {} if into is None else {"grad_into": into}
+        fused = "norm" in self._op.options and isinstance(norm, CpuRMSNorm)
+        if fused:
+            options["norm"] = (norm.weight, norm.eps)
+        out = self._op.phase2(out1, lse, extra, self.weights[self.row], self.eps, **options)
+        return out if norm is None or fused else norm(out)
 
     def attend_store(self, state: DepthState) -> torch.Tensor:
         """The whole two-phase mix for this mixer alone (the final aggregation). Its phase 1
         reads every row of the store, usually the first to backpropagate into them: it writes
-        their gradient into the store's buffer, where autograd would hand ``_Append`` a
-        gradient of the whole store to copy there."""
+        their gradient into the store's buffer, where autograd would hand the function that
+        made the store a gradient of the whole store to copy there."""
         store, buffer, rows = state.store, state.buffer, state.num_completed
-        into = (
-            {"grad_into": lambda: buffer.grad_rows(0, rows)}
-            if self._op.grad_into and _holds(state)
-            else {}
-        )
+        options = {}
+        if self.grad_into and _holds(state):
+            options["grad_into"] = lambda: buffer.grad_rows(0, rows)
         weights = self.weights[self.row : self.row + 1]
-        if self._op.phase1_packed is not None and not into:
-            out1, lse = self._op.phase1_packed(store, weights, eps=self.eps)
-        else:
-            out1, lse = self._op.phase1(store, weights[:, 0], weights[:, 1], eps=self.eps, **into)
+        out1, lse = self._op.phase1(store, weights, self.eps, **options)
         extra = None if state.partial is None else state.partial.unsqueeze(0)
         return self.merge(out1[0], lse[0], extra, state.store.dtype)
 
@@ -183,7 +167,7 @@ class Segment:
         """Whether phase 1 hands the first sublayer its normalised input: it merges nothing
         (the block, or Full group, starts here: nothing closed since ``rows`` and no partial
         block), and the kernel takes float32 blocks (``first_norm`` is set only where the
-        norm is the C kernel's and the implementation has ``phase1_split``)."""
+        norm is the C kernel's and the backend fuses it: ``first_norm``)."""
         return (
             self.first_norm is not None
             and state.partial is None
@@ -205,27 +189,14 @@ class Segment:
         if store.shape[0] != self.rows:  # a cut inside a Full group (slicing has a cost)
             store = store[: self.rows]
         rows = store.shape[0]
-        into = (
-            {"grad_into": lambda: buffer.grad_rows(0, rows)}
-            if op.grad_into and _holds(state)
-            else {}
-        )
+        options = {}
+        if "grad_into" in op.options and _holds(state):
+            options["grad_into"] = lambda: buffer.grad_rows(0, rows)
         normed = self.fuses_first_norm(state)
-        weights = _stacked_weights(self.mixers)
-        if op.phase1_split is not None:  # the parameters and slices as they are
-            if normed:
-                into["first_norm"] = (self.first_norm.weight, self.first_norm.eps)
-            queries, gains = weights[:, 0].unbind(0), weights[:, 1].unbind(0)
-            out1, lse = op.phase1_split(store, queries, gains, eps=eps, **into)
-        else:
-            if op.phase1_packed is not None and not into:  # one gradient for the weights
-                out1, lse = op.phase1_packed(store, weights, eps=eps)
-            else:
-                out1, lse = op.phase1(store, weights[:, 0], weights[:, 1], eps=eps, **into)
-            # unbind once: one backward node stacks the S gradients, where S separate index
-            # ops would each fill a zero tensor of the whole [S, ...] and add it up
-            out1, lse = out1.unbind(0), lse.unbind(0)
-        cache = Phase1Cache(self.first, self.rows, out1, lse, first_normed=normed)
+        if normed:
+            options["first_norm"] = (self.first_norm.weight, self.first_norm.eps)
+        out1, lse = op.phase1(store, _stacked_weights(self.mixers), eps, **options)
+        cache = Phase1Cache(self.first, self.rows, tuple(out1), tuple(lse), first_normed=normed)
         return replace(state, phase1=cache)
 
 
@@ -294,7 +265,7 @@ def configure_segments(layers: list, plan: BlockPlan, final=None) -> None:
                 fusable = (
                     isinstance(norm, CpuRMSNorm)
                     and layer.recompute != "attnres"
-                    and mixer._op.phase1_split is not None
+                    and "first_norm" in mixer._op.options
                 )
                 segment = segments[key] = Segment(sublayer, [], rows, norm if fusable else None)
             segment.mixers.append(mixer)

@@ -124,7 +124,7 @@ class FinalAggregation(torch.nn.Module):
         one): the region ``compile_region`` compiles."""
         merge = self._phase2_inputs(state)
         if merge is not None:
-            return self.mixer.merge_norm(self.final_norm, *merge)
+            return self.mixer.merge(*merge, norm=self.final_norm)
         return self.final_norm(self._mix(state, merge))
 
     def _mix(self, state: DepthState, merge) -> torch.Tensor:

@@ -1,31 +1,35 @@
-"""Depth-attention ops and the registry that selects their implementation.
+"""Depth-attention backends and the registry that selects them (``model.attnres.impl``).
 
-Every implementation is a :class:`DepthAttentionImpl`: a name, a one-pass function with the
-signature of :func:`depth_attention` (``query, sources, norm_weight, eps, return_weights``) and,
-when it supports the paper's two-phase computation, the two phase functions
-(``phase1(blocks, queries, norm_weights, eps) -> (out1, lse)`` over the contiguous store of
-completed blocks for several sublayers at once, and
-``phase2(out1, lse, extra, query, norm_weight, eps) -> out`` merging the sources not in the
-store by online softmax). ``requirement()`` says why an implementation cannot run here (None
-when it can), so a config asking for it is refused with that reason. An implementation with
-``grad_into`` set also takes ``phase1(..., grad_into=f)`` and ``phase2(..., grad_into=f)``:
-``f()`` gives ``(rows, accumulate)``, a float32 tensor of the blocks' (the extras') layout that
-the backward adds their gradient to (``accumulate``) or, when they hold no value yet, writes in
-full, instead of returning it (the model's store buffer gathers its rows' gradient so, in one
-tensor, and the first writer of a row spares its zero fill). An implementation may also give
-``merge_norm``: phase 2 and the RMSNorm the sublayer applies to its result, fused (same values
-as the two composed), and ``phase1_split``: phase 1 over the S queries and gains as separate
-``[D]`` tensors, returning S separate outputs and log-sum-exps (the same values as
-``phase1``'s slices), so the model's sublayers hand over their parameters and take their slices
-with no ``[S, ...]`` stack in either direction.
+A backend computes the paper's two-phase depth attention through two calls, one signature
+each, whatever runs them (torch ops, the project's C or Triton kernels, an outside package):
 
-``"lean"`` is the memory-lean one-pass autograd function, ``"reference"`` the plain-autograd
-ground truth, ``"twophase"`` the two-phase computation in torch ops
-(:mod:`attnres_dist.ops.two_phase`, CPU and GPU) and ``"cpu_fused"`` the same computation
-through the project's fused C kernels (:mod:`attnres_dist.ops.cpu_two_phase`, CPU);
-``"triton"``, ``"fla"`` and ``"flash_attn_res"`` are the GPU kernels of
-:mod:`attnres_dist.ops.kernel_impls`; other implementations register themselves with
-:func:`register_depth_attention`.
+* ``phase1(blocks, weights, eps, **options) -> (out1, lse)``: the ``S`` mixers whose packed
+  ``weights`` ``[S, 2, D]`` (each row a pseudo-query and its key gain) attend over the ``n``
+  completed blocks ``[n, *batch, D]`` in one batched pass; ``out1`` is S tensors
+  ``[*batch, D]``, ``lse`` S tensors ``[*batch]`` (float32; float64 for float64 blocks).
+* ``phase2(out1, lse, extra, weights, eps, **options) -> out``: one mixer (``weights``
+  ``[2, D]``) merges the sources not in the store (``extra`` ``[m, *batch, D]``) into its
+  phase-1 result by online softmax, in ``extra``'s dtype. The result is exactly the one-pass
+  softmax over ``blocks ++ extra``.
+
+A backend that fuses more says which ``options`` its phases take:
+
+* ``grad_into`` (both phases): a callable giving ``(rows, accumulate)``, float32 rows of the
+  blocks' (phase 1) or the extras' (phase 2) layout where the backward adds their gradient
+  (``accumulate``) or writes it in full, instead of returning it: the model's store buffer
+  gathers its rows' gradient so (``model/depth_state.py``);
+* ``first_norm`` (phase 1): an RMSNorm's ``(weight, eps)`` applied to the first output;
+* ``norm`` (phase 2): an RMSNorm's ``(weight, eps)`` applied to the result.
+
+A one-pass kernel (``depth_attention``'s signature: ``query, sources, norm_weight, eps,
+return_weights``) is a backend of its own kind (``one_pass``); every two-phase backend also
+answers that call, composed from its phases. ``requirement()`` says why a backend cannot run
+here (None when it can), so a config asking for it is refused with that reason.
+
+Backends: ``reference`` (plain autograd, the ground truth) and ``lean`` (memory-lean, one
+pass); ``twophase`` (:mod:`attnres_dist.ops.two_phase`, torch ops, CPU and GPU, what a compiled
+layer traces); ``cpu_fused`` (:mod:`attnres_dist.ops.cpu_two_phase`, the project's C kernels);
+``triton``, ``fla`` and ``flash_attn_res`` (:mod:`attnres_dist.ops.kernel_impls`, GPU).
 """
 
 from __future__ import annotations
@@ -35,15 +39,9 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from attnres_dist.ops import two_phase
 from attnres_dist.ops.depth_attention import depth_attention, validate_inputs
 from attnres_dist.ops.reference import depth_attention_reference
-from attnres_dist.ops.two_phase import (
-    phase1,
-    phase1_packed,
-    phase2,
-    phase2_packed,
-    two_phase_depth_attention,
-)
 
 __all__ = [
     "DEFAULT_DEPTH_ATTENTION",
@@ -64,30 +62,28 @@ def _always_available() -> str | None:
 
 @dataclass(frozen=True)
 class DepthAttentionImpl:
-    """One depth-attention implementation: one-pass function, optional two-phase functions."""
+    """One backend: its two phases (or a one-pass kernel), where it runs, what it fuses."""
 
     name: str
-    one_pass: Callable[..., Tensor | tuple[Tensor, Tensor]]
-    phase1: Callable[..., tuple[Tensor, Tensor]] | None = None
+    phase1: Callable[..., tuple[Sequence[Tensor], Sequence[Tensor]]] | None = None
     phase2: Callable[..., Tensor] | None = None
+    one_pass: Callable[..., Tensor | tuple[Tensor, Tensor]] | None = None
     devices: tuple[str, ...] = ("cpu", "cuda")
     requirement: Callable[[], str | None] = _always_available
-    grad_into: bool = False  # phase1 accepts grad_into= (see the module docstring)
-    # phase 2 and the RMSNorm after it, fused:
-    # merge_norm(out1, lse, extra, query, norm_weight, rms_weight, eps, norm_eps[, grad_into])
-    merge_norm: Callable[..., Tensor] | None = None
-    # phase1_split(blocks, queries: [D] x S, norm_weights: [D] x S, eps[, grad_into])
-    #   -> (out1 x S, lse x S)
-    phase1_split: Callable[..., tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] | None = None
-    # phase1 / phase2 with each mixer's query and gain packed ([S, 2, D] / [2, D], slices of
-    # the model's mixer_weights): one gradient for both, which the model's parameter takes
-    # as it is. phase1_packed(blocks, weights, eps), phase2_packed(out1, lse, extra, weights, eps)
-    phase1_packed: Callable[..., tuple[Tensor, Tensor]] | None = None
-    phase2_packed: Callable[..., Tensor] | None = None
+    options: frozenset[str] = frozenset()  # of "grad_into", "first_norm", "norm"
+
+    def __post_init__(self):
+        if (self.phase1 is None) != (self.phase2 is None):
+            raise ValueError(f"backend {self.name!r}: give both phases or neither")
+        if self.phase1 is None and self.one_pass is None:
+            raise ValueError(f"backend {self.name!r}: give its phases or a one-pass kernel")
+        unknown = set(self.options) - {"grad_into", "first_norm", "norm"}
+        if unknown:
+            raise ValueError(f"backend {self.name!r}: unknown options {sorted(unknown)}")
 
     @property
     def two_phase(self) -> bool:
-        return self.phase1 is not None and self.phase2 is not None
+        return self.phase1 is not None
 
     def __call__(
         self,
@@ -97,22 +93,22 @@ class DepthAttentionImpl:
         eps: float = 1e-6,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        return self.one_pass(query, sources, norm_weight, eps=eps, return_weights=return_weights)
+        """One-pass depth attention (the softmax weights, when asked for, from ``lean``)."""
+        if self.one_pass is not None:
+            kw = {"eps": eps, "return_weights": return_weights}
+            return self.one_pass(query, sources, norm_weight, **kw)
+        validate_inputs(query, sources, norm_weight)
+        if return_weights:
+            return depth_attention(query, sources, norm_weight, eps=eps, return_weights=True)
+        return two_phase.compose_phases(self.phase1, self.phase2)(query, sources, norm_weight, eps)
 
 
 DEFAULT_DEPTH_ATTENTION = "lean"
 
 _REGISTRY: dict[str, DepthAttentionImpl] = {
-    "lean": DepthAttentionImpl("lean", depth_attention),
-    "reference": DepthAttentionImpl("reference", depth_attention_reference),
-    "twophase": DepthAttentionImpl(
-        "twophase",
-        two_phase_depth_attention,
-        phase1,
-        phase2,
-        phase1_packed=phase1_packed,
-        phase2_packed=phase2_packed,
-    ),
+    "lean": DepthAttentionImpl("lean", one_pass=depth_attention),
+    "reference": DepthAttentionImpl("reference", one_pass=depth_attention_reference),
+    "twophase": DepthAttentionImpl("twophase", two_phase.phase1, two_phase.phase2),
 }
 
 
@@ -138,7 +134,7 @@ def runnable_depth_attention_impls() -> dict[str, str | None]:
 
 
 def get_depth_attention(impl: str = DEFAULT_DEPTH_ATTENTION) -> DepthAttentionImpl:
-    """Return the depth-attention implementation registered as ``impl``."""
+    """Return the depth-attention backend registered as ``impl``."""
     try:
         return _REGISTRY[impl]
     except (KeyError, TypeError):
@@ -156,18 +152,14 @@ for _impl in KERNEL_IMPLS:
 
 # the fused CPU kernels (compiled on first use; requirement() says why they cannot be)
 from attnres_dist.ops import cpu_two_phase  # noqa: E402
-from attnres_dist.ops.cpu_merge_norm import merge_rms_norm  # noqa: E402
 
 register_depth_attention(
     DepthAttentionImpl(
         "cpu_fused",
-        cpu_two_phase.one_pass,
         cpu_two_phase.phase1,
         cpu_two_phase.phase2,
         devices=("cpu",),
         requirement=cpu_two_phase.requirement,
-        grad_into=True,
-        merge_norm=merge_rms_norm,
-        phase1_split=cpu_two_phase.phase1_split,
+        options=frozenset({"grad_into", "first_norm", "norm"}),
     )
 )

@@ -164,6 +164,17 @@ def cast(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def extra_grad(ctx, e: Tensor, needed: bool) -> tuple[Tensor | None, bool, bool]:
+    """(where a merge backward writes the extras' gradient, whether that is ``grad_into``'s
+    rows, whether the kernel adds to them rather than writing them)."""
+    if not needed:
+        return None, False, False
+    if ctx.grad_into is not None:
+        rows, accumulate = ctx.grad_into()
+        return rows, True, accumulate
+    return torch.empty_like(e), False, False
+
+
 def lanes() -> int:
     """Tokens per tile of the phase-1 kernels (their vector width): the saved logits are
     ``[ceil(T / lanes), n, S, lanes]`` and the key statistics ``[ceil(T / lanes), n, lanes]``."""

@@ -19,28 +19,25 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from attnres_dist.ops import cpu_two_phase, two_phase
-from attnres_dist.ops.cpu_library import call, f32, ptr, runs_here
-from attnres_dist.ops.cpu_rms_norm import rms_norm
-from attnres_dist.ops.cpu_two_phase import extra_grad, param_grads
+from attnres_dist.ops.cpu_library import call, extra_grad, f32, ptr, runs_here
 
-__all__ = ["merge_rms_norm"]
+__all__ = ["fuses", "merge_rms_norm"]
 
 
 class _MergeRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, out1, lse, extra, query, key_gain, norm_weight, eps, norm_eps, grad_into):
+    def forward(ctx, out1, lse, extra, weights, norm_weight, eps, norm_eps, grad_into):
         m, dim = extra.shape[0], extra.shape[-1]
         o1, l1, e = f32(out1), f32(lse), f32(extra)
-        q, g, w = f32(query), f32(key_gain), f32(norm_weight)
+        kw, w = f32(weights), f32(norm_weight)
         tokens = o1.numel() // dim
         rows = 4 if m == 1 else 2 * m + 2  # the merge's statistics, then the norm's
         y, stats = e.new_empty(extra.shape[1:]), e.new_empty(rows, tokens)
         call(
-            "merge_norm_fwd", ptr(o1), ptr(l1), ptr(e), ptr(q), ptr(g), ptr(w), m, tokens,
-            dim, eps, norm_eps, ptr(y), ptr(stats), torch.get_num_threads(),
+            "merge_norm_fwd", ptr(o1), ptr(l1), ptr(e), ptr(kw[0]), ptr(kw[1]), ptr(w), m,
+            tokens, dim, eps, norm_eps, ptr(y), ptr(stats), torch.get_num_threads(),
         )  # fmt: skip
-        ctx.save_for_backward(out1, lse, extra, query, key_gain, norm_weight, stats)
+        ctx.save_for_backward(out1, lse, extra, weights, norm_weight, stats)
         ctx.grad_into = grad_into
         ctx.set_materialize_grads(False)
         return y
@@ -48,49 +45,45 @@ class _MergeRMSNorm(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        out1, lse, extra, query, key_gain, norm_weight, stats = ctx.saved_tensors
+        out1, lse, extra, weights, norm_weight, stats = ctx.saved_tensors
         if grad is None:
-            return (None,) * 9
+            return (None,) * 8
         m, dim = extra.shape[0], extra.shape[-1]
         o1, l1, e, gy = f32(out1), f32(lse), f32(extra), f32(grad)
-        q, g, w = f32(query), f32(key_gain), f32(norm_weight)
+        kw, w = f32(weights), f32(norm_weight)
         tokens = o1.numel() // dim
         need = ctx.needs_input_grad
         go1 = torch.empty_like(o1) if need[0] else None
         glse = o1.new_empty(out1.shape[:-1])
         ge, into, accumulate = extra_grad(ctx, e, need[2])
-        gq, gg = param_grads(query, key_gain, need[3], need[4])
-        gw = torch.empty(norm_weight.shape) if need[5] else None
+        gkw = torch.empty(2, dim) if need[3] else None
+        gq, gg = (None, None) if gkw is None else (gkw[0], gkw[1])
+        gw = torch.empty(norm_weight.shape) if need[4] else None
         call(
-            "merge_norm_bwd", ptr(o1), ptr(l1), ptr(e), ptr(q), ptr(g), ptr(w), ptr(stats),
-            ptr(gy), m, tokens, dim, ptr(go1), ptr(glse), ptr(ge), int(accumulate), ptr(gq),
-            ptr(gg), ptr(gw), torch.get_num_threads(),
+            "merge_norm_bwd", ptr(o1), ptr(l1), ptr(e), ptr(kw[0]), ptr(kw[1]), ptr(w),
+            ptr(stats), ptr(gy), m, tokens, dim, ptr(go1), ptr(glse), ptr(ge), int(accumulate),
+            ptr(gq), ptr(gg), ptr(gw), torch.get_num_threads(),
         )  # fmt: skip
         grad_e = None if into else ge
-        return go1, glse if need[1] else None, grad_e, gq, gg, gw, None, None, None
+        return go1, glse if need[1] else None, grad_e, gkw, gw, None, None, None
+
+
+def fuses(*tensors: Tensor) -> bool:
+    """Whether the fused kernel takes these inputs: float32, on the CPU."""
+    return all(t.dtype == torch.float32 for t in tensors) and runs_here(*tensors)
 
 
 def merge_rms_norm(
     out1: Tensor,
     lse: Tensor,
     extra: Tensor,
-    query: Tensor,
-    key_gain: Tensor,
+    weights: Tensor,
     norm_weight: Tensor,
-    eps: float = 1e-6,
     norm_eps: float = 1e-5,
-    grad_into: Callable[[], Tensor] | None = None,
+    eps: float = 1e-6,
+    grad_into: Callable[[], tuple[Tensor, bool]] | None = None,
 ) -> Tensor:
-    """``rms_norm(phase2(out1, lse, extra, query, key_gain, eps), norm_weight, norm_eps)``
-    (``extra`` ``[m, ..., D]``). ``grad_into``: as for
-    :func:`attnres_dist.ops.cpu_two_phase.phase2`."""
-    two_phase.check_phase2(out1, lse, extra)
-    tensors = (out1, lse, extra, query, key_gain, norm_weight)
-    fused = all(t.dtype == torch.float32 for t in tensors)
-    if not (fused and runs_here(*tensors)):
-        kw = {} if grad_into is None else {"grad_into": grad_into}
-        merged = cpu_two_phase.phase2(out1, lse, extra, query, key_gain, eps, **kw)
-        return rms_norm(merged, norm_weight, norm_eps)
-    return _MergeRMSNorm.apply(
-        out1, lse, extra, query, key_gain, norm_weight, eps, norm_eps, grad_into
-    )
+    """``rms_norm(phase2(out1, lse, extra, weights, eps), norm_weight, norm_eps)`` in one pass
+    (``extra`` ``[m, ..., D]``, ``weights`` ``[2, D]``, all float32 on the CPU: ``fuses``).
+    ``grad_into``: as for :func:`attnres_dist.ops.cpu_two_phase.phase2`."""
+    return _MergeRMSNorm.apply(out1, lse, extra, weights, norm_weight, eps, norm_eps, grad_into)

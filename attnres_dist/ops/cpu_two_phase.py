@@ -12,7 +12,7 @@ fused. :func:`requirement` says why the kernels cannot run here (None when they 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ from attnres_dist.ops import two_phase
 from attnres_dist.ops.cpu_library import (
     call,
     cast,
+    extra_grad,
     f32,
     lanes,
     ptr,
@@ -30,61 +31,34 @@ from attnres_dist.ops.cpu_library import (
     requirement,
     runs_here,
 )
-from attnres_dist.ops.depth_attention import one_pass_adapter
+from attnres_dist.ops.cpu_merge_norm import fuses, merge_rms_norm
+from attnres_dist.ops.cpu_rms_norm import rms_norm
 
-__all__ = ["one_pass", "phase1", "phase1_split", "phase2", "requirement"]
-
-
-def param_grads(query: Tensor, norm_weight: Tensor, need_q: bool, need_g: bool):
-    """Buffers the kernels write dL/d query and dL/d gain into (float32), or None."""
-    gq = torch.empty(query.shape) if need_q else None
-    gg = torch.empty(norm_weight.shape) if need_g else None
-    return gq, gg
+__all__ = ["phase1", "phase2", "requirement"]
 
 
-def _merge_grads(grads, inputs) -> tuple:
-    """A merge backward's return: each float32 gradient (or None) in its input's dtype (an
-    input given as a dtype stands for itself), and None for ``eps`` and ``grad_into``."""
-    out = []
-    for grad, ref in zip(grads, inputs, strict=True):
-        dtype = ref if isinstance(ref, torch.dtype) else ref.dtype
-        out.append(None if grad is None else cast(grad, dtype))
-    return (*out, None, None)
-
-
-def extra_grad(ctx, e: Tensor, needed: bool) -> tuple[Tensor | None, bool, bool]:
-    """(where a merge backward writes the extras' gradient, whether that is ``grad_into``'s
-    rows, whether the kernel adds to them rather than writing them)."""
-    if not needed:
-        return None, False, False
-    if ctx.grad_into is not None:
-        rows, accumulate = ctx.grad_into()
-        return rows, True, accumulate
-    return torch.empty_like(e), False, False
-
-
-def _in_param_dtypes(grads: list[Tensor] | None, params) -> tuple:
-    """Each parameter's gradient in its dtype (None for every one when not needed)."""
-    if grads is None:
-        return (None,) * len(params)
-    return tuple(cast(g, p.dtype) for g, p in zip(grads, params, strict=True))
+def weight_rows(weights: Tensor) -> tuple[Tensor, ...]:
+    """Packed ``[S, 2, D]`` weights as float32 and the kernels' pointer arrays: (queries,
+    gains) rows of one contiguous tensor."""
+    w = f32(weights)
+    return w, ptrs(w[:, 0].unbind(0)), ptrs(w[:, 1].unbind(0))
 
 
 class _Phase1(torch.autograd.Function):
-    """Phase 1 over S queries given as separate tensors: ``apply(blocks, eps, grad_into,
-    norm_eps, S, norm_weight, *queries, *norm_weights)`` returns ``(*out1, *lse)``, S ``[...,
-    D]`` outputs and S ``[...]`` log-sum-exps. Each is a tensor of its own and gets its
-    gradient as one, so neither direction stacks or unbinds ``[S, ...]`` tensors around the
-    kernel. With ``norm_weight`` (else None) the first output is ``rms_norm(out1[0],
-    norm_weight, norm_eps)``, formed in the same pass (the first sublayer of a segment merges
-    nothing, so the norm is all it applies to its phase-1 output)."""
+    """Phase 1 over packed ``[S, 2, D]`` weights: ``apply(blocks, weights, eps, grad_into,
+    norm_weight, norm_eps)`` returns ``(*out1, *lse)``, S ``[..., D]`` outputs and S ``[...]``
+    log-sum-exps, each a tensor of its own that gets its gradient as one, so neither direction
+    stacks or unbinds ``[S, ...]`` tensors around the kernel; the weights get one gradient.
+    With ``norm_weight`` (else None) the first output is ``rms_norm(out1[0], norm_weight,
+    norm_eps)``, formed in the same pass (the first sublayer of a segment merges nothing, so
+    the norm is all it applies to its phase-1 output)."""
 
     @staticmethod
-    def forward(ctx, blocks, eps, grad_into, norm_eps, s, norm_weight, *params):
-        n, dim = blocks.shape[0], blocks.shape[-1]
+    def forward(ctx, blocks, weights, eps, grad_into, norm_weight, norm_eps):
+        n, dim, s = blocks.shape[0], blocks.shape[-1], weights.shape[0]
         batch = blocks.shape[1:-1]
         b = f32(blocks)
-        qg = [f32(t) for t in params]
+        w_rows, queries, gains = weight_rows(weights)  # alive while the kernel reads it
         tokens = b.numel() // (n * dim)
         out1 = [b.new_empty(*batch, dim) for _ in range(s)]
         lse = [b.new_empty(batch) for _ in range(s)]
@@ -95,7 +69,7 @@ class _Phase1(torch.autograd.Function):
         y = None if w is None else b.new_empty(*batch, dim)
         rn = None if w is None else b.new_empty(tokens)
         call(
-            "phase1_fwd", ptr(b), ptrs(qg[:s]), ptrs(qg[s:]), n, tokens, dim, s, eps,
+            "phase1_fwd", ptr(b), queries, gains, n, tokens, dim, s, eps,
             ptrs(out1), ptrs(lse), ptr(logits), ptr(rstd), ptr(w), norm_eps, ptr(y), ptr(rn),
             torch.get_num_threads(),
         )  # fmt: skip
@@ -103,8 +77,8 @@ class _Phase1(torch.autograd.Function):
         # reads each block row once, for its products with the output gradient; with the norm,
         # its input (out1[0], as a standalone norm saves it) and reciprocal RMS
         norm = () if w is None else (norm_weight, out1[0], rn)
-        ctx.save_for_backward(blocks, logits, rstd, *lse, *params, *norm)
-        ctx.s, ctx.normed = s, w is not None
+        ctx.save_for_backward(blocks, weights, logits, rstd, *lse, *norm)
+        ctx.normed = w is not None
         ctx.grad_into = grad_into if blocks.dtype == torch.float32 else None
         ctx.set_materialize_grads(False)
         if w is not None:
@@ -114,57 +88,53 @@ class _Phase1(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        s = ctx.s
-        blocks, logits, rstd, *rest = ctx.saved_tensors
-        lse, params = rest[:s], rest[s : 3 * s]
-        norm_weight, x0, rn = rest[3 * s :] if ctx.normed else (None, None, None)
-        none = (None,) * (6 + 2 * s)
+        blocks, weights, logits, rstd, *rest = ctx.saved_tensors
+        s = weights.shape[0]
+        lse = rest[:s]
+        norm_weight, x0, rn = rest[s:] if ctx.normed else (None, None, None)
         if all(g is None for g in grads):
-            return none
+            return (None,) * 6
         n, dim = blocks.shape[0], blocks.shape[-1]
         b = f32(blocks)
-        qg = [f32(t) for t in params]
+        w_rows, queries, gains = weight_rows(weights)  # alive while the kernel reads it
         tokens = b.numel() // (n * dim)
         go = [None if g is None else f32(g) for g in grads[:s]]
         gl = [None if g is None else f32(g) for g in grads[s:]]
-        need = ctx.needs_input_grad
-        need_b, need_q, need_g = need[0], any(need[6 : 6 + s]), any(need[6 + s :])
+        need_b, need_w, _, _, need_n, _ = ctx.needs_input_grad
         into, accumulate = ctx.grad_into() if need_b and ctx.grad_into is not None else (None, 0)
         gb = into if into is not None else torch.empty_like(b) if need_b else None
-        gq = [torch.empty(dim) for _ in range(s)] if need_q else None
-        gg = [torch.empty(dim) for _ in range(s)] if need_g else None
+        gw = torch.empty(s, 2, dim) if need_w else None
+        gq, gg = (None, None) if gw is None else (gw[:, 0].unbind(0), gw[:, 1].unbind(0))
         w = None if norm_weight is None else f32(norm_weight)
-        gw = torch.empty(dim) if w is not None and need[5] else None
+        gn = torch.empty(dim) if w is not None and need_n else None
         call(
-            "phase1_bwd", ptr(b), ptrs(qg[:s]), ptrs(qg[s:]), ptrs(lse), ptr(logits),
+            "phase1_bwd", ptr(b), queries, gains, ptrs(lse), ptr(logits),
             ptr(rstd), ptrs(go), ptrs(gl), n, tokens, dim, s, ptr(gb), int(accumulate),
-            ptrs(gq), ptrs(gg), ptr(w), ptr(rn), ptr(x0), ptr(gw), torch.get_num_threads(),
+            ptrs(gq), ptrs(gg), ptr(w), ptr(rn), ptr(x0), ptr(gn), torch.get_num_threads(),
         )  # fmt: skip
         grad_b = None if gb is None or into is not None else cast(gb, blocks.dtype)
-        grad_q = _in_param_dtypes(gq, params[:s])
-        grad_g = _in_param_dtypes(gg, params[s:])
-        grad_w = None if gw is None else cast(gw, norm_weight.dtype)
-        return (grad_b, None, None, None, None, grad_w, *grad_q, *grad_g)
+        grad_w = None if gw is None else cast(gw, weights.dtype)
+        grad_n = None if gn is None else cast(gn, norm_weight.dtype)
+        return grad_b, grad_w, None, None, grad_n, None
 
 
 class _Merge1(torch.autograd.Function):
     """Phase 2 with one extra source: ``lerp(out1, e, sigmoid(le - lse))``; saves ``[3, T]``
     floats (the weight, the logit and the key statistic of ``e``) beyond its inputs. Kept
-    beside the general ``_Merge``, which gives the same result: on Block's hot path it takes
-    0.62 of the general kernel's time (one exponential per token instead of four, and a log)."""
+    beside the general ``_Merge``, which gives the same result in more time (one exponential
+    per token where that takes four, and a log: docs/kernels.md)."""
 
     @staticmethod
-    def forward(ctx, out1, lse, extra, query, norm_weight, eps, grad_into):
+    def forward(ctx, out1, lse, extra, weights, eps, grad_into):
         dim = extra.shape[-1]
-        e, o1, l1 = f32(extra), f32(out1), f32(lse)
-        q, g = f32(query), f32(norm_weight)
+        e, o1, l1, w = f32(extra), f32(out1), f32(lse), f32(weights)
         tokens = e.numel() // dim
         out, stats = e.new_empty(extra.shape[1:]), e.new_empty(3, tokens)
         call(
-            "merge1_fwd", ptr(o1), ptr(l1), ptr(e), ptr(q), ptr(g), tokens, dim, eps,
+            "merge1_fwd", ptr(o1), ptr(l1), ptr(e), ptr(w[0]), ptr(w[1]), tokens, dim, eps,
             ptr(out), ptr(stats), torch.get_num_threads(),
         )  # fmt: skip
-        ctx.save_for_backward(out1, extra, query, norm_weight, stats)
+        ctx.save_for_backward(out1, extra, weights, stats)
         ctx.grad_into = grad_into if extra.dtype == torch.float32 else None
         ctx.lse_dtype = lse.dtype
         ctx.set_materialize_grads(False)
@@ -173,25 +143,24 @@ class _Merge1(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        out1, extra, query, norm_weight, stats = ctx.saved_tensors
+        out1, extra, weights, stats = ctx.saved_tensors
         if grad_out is None:
-            return None, None, None, None, None, None, None
+            return (None,) * 6
         dim = extra.shape[-1]
-        e, o1, go = f32(extra), f32(out1), f32(grad_out)
-        q, g = f32(query), f32(norm_weight)
+        e, o1, go, w = f32(extra), f32(out1), f32(grad_out), f32(weights)
         tokens = e.numel() // dim
         need = ctx.needs_input_grad
         go1 = torch.empty_like(o1) if need[0] else None
         glse = o1.new_empty(out1.shape[:-1])
         ge, into, accumulate = extra_grad(ctx, e, need[2])
-        gq, gg = param_grads(query, norm_weight, need[3], need[4])
+        gw = torch.empty(2, dim) if need[3] else None
         call(
-            "merge1_bwd", ptr(o1), ptr(e), ptr(q), ptr(g), ptr(stats), ptr(go), tokens,
-            dim, ptr(go1), ptr(glse), ptr(ge), int(accumulate), ptr(gq), ptr(gg),
+            "merge1_bwd", ptr(o1), ptr(e), ptr(w[0]), ptr(w[1]), ptr(stats), ptr(go), tokens,
+            dim, ptr(go1), ptr(glse), ptr(ge), int(accumulate), *_rows(gw),
             torch.get_num_threads(),
         )  # fmt: skip
-        grads = (go1, glse if need[1] else None, None if into else ge, gq, gg)
-        return _merge_grads(grads, (out1, ctx.lse_dtype, extra, query, norm_weight))
+        grads = (go1, glse if need[1] else None, None if into else ge, gw)
+        return (*_in_dtypes(grads, (out1, ctx.lse_dtype, extra, weights)), None, None)
 
 
 class _Merge(torch.autograd.Function):
@@ -199,17 +168,16 @@ class _Merge(torch.autograd.Function):
     saves the extras' logits and key statistics and the total log-sum-exp (``[2 m + 1, T]``)."""
 
     @staticmethod
-    def forward(ctx, out1, lse, extra, query, norm_weight, eps, grad_into):
+    def forward(ctx, out1, lse, extra, weights, eps, grad_into):
         m, dim = extra.shape[0], extra.shape[-1]
-        e, o1, l1 = f32(extra), f32(out1), f32(lse)
-        q, g = f32(query), f32(norm_weight)
+        e, o1, l1, w = f32(extra), f32(out1), f32(lse), f32(weights)
         tokens = o1.numel() // dim
         out, stats = o1.new_empty(extra.shape[1:]), e.new_empty(2 * m + 1, tokens)
         call(
-            "merge_fwd", ptr(o1), ptr(l1), ptr(e), ptr(q), ptr(g), m, tokens, dim, eps,
+            "merge_fwd", ptr(o1), ptr(l1), ptr(e), ptr(w[0]), ptr(w[1]), m, tokens, dim, eps,
             ptr(out), ptr(stats), torch.get_num_threads(),
         )  # fmt: skip
-        ctx.save_for_backward(out1, lse, extra, query, norm_weight, stats)
+        ctx.save_for_backward(out1, lse, extra, weights, stats)
         ctx.grad_into = grad_into if extra.dtype == torch.float32 else None
         ctx.set_materialize_grads(False)
         return cast(out, extra.dtype)
@@ -217,76 +185,63 @@ class _Merge(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        out1, lse, extra, query, norm_weight, stats = ctx.saved_tensors
+        out1, lse, extra, weights, stats = ctx.saved_tensors
         if grad_out is None:
-            return None, None, None, None, None, None, None
+            return (None,) * 6
         m, dim = extra.shape[0], extra.shape[-1]
-        e, o1, l1, go = f32(extra), f32(out1), f32(lse), f32(grad_out)
-        q, g = f32(query), f32(norm_weight)
+        e, o1, l1, go, w = f32(extra), f32(out1), f32(lse), f32(grad_out), f32(weights)
         tokens = o1.numel() // dim
         need = ctx.needs_input_grad
         go1 = torch.empty_like(o1) if need[0] else None
         glse = o1.new_empty(lse.shape)
         ge, into, accumulate = extra_grad(ctx, e, need[2])
-        gq, gg = param_grads(query, norm_weight, need[3], need[4])
+        gw = torch.empty(2, dim) if need[3] else None
         call(
-            "merge_bwd", ptr(o1), ptr(l1), ptr(e), ptr(q), ptr(g), ptr(stats), ptr(go), m,
-            tokens, dim, ptr(go1), ptr(glse), ptr(ge), int(accumulate), ptr(gq), ptr(gg),
+            "merge_bwd", ptr(o1), ptr(l1), ptr(e), ptr(w[0]), ptr(w[1]), ptr(stats), ptr(go), m,
+            tokens, dim, ptr(go1), ptr(glse), ptr(ge), int(accumulate), *_rows(gw),
             torch.get_num_threads(),
         )  # fmt: skip
-        grads = (go1, glse if need[1] else None, None if into else ge, gq, gg)
-        return _merge_grads(grads, (out1, lse.dtype, extra, query, norm_weight))
+        grads = (go1, glse if need[1] else None, None if into else ge, gw)
+        return (*_in_dtypes(grads, (out1, lse.dtype, extra, weights)), None, None)
+
+
+def _rows(gw: Tensor | None) -> tuple:
+    """Pointers to the query and gain rows of a packed ``[2, D]`` gradient (NULL for None)."""
+    return (None, None) if gw is None else (ptr(gw[0]), ptr(gw[1]))
+
+
+def _in_dtypes(grads, inputs) -> tuple:
+    """Each float32 gradient (or None) in its input's dtype (a dtype stands for itself)."""
+    out = []
+    for grad, ref in zip(grads, inputs, strict=True):
+        dtype = ref if isinstance(ref, torch.dtype) else ref.dtype
+        out.append(None if grad is None else cast(grad, dtype))
+    return tuple(out)
 
 
 def phase1(
     blocks: Tensor,
-    queries: Tensor,
-    norm_weights: Tensor,
+    weights: Tensor,
     eps: float = 1e-6,
-    grad_into: Callable[[], Tensor] | None = None,
-) -> tuple[Tensor, Tensor]:
-    """:func:`attnres_dist.ops.two_phase.phase1` through the fused kernel. ``grad_into``: where
-    the backward adds the blocks' gradient instead of returning it (float32 blocks only; a
-    contiguous tensor whose leading rows have the blocks' layout, see ``attnres_dist.ops``)."""
-    two_phase.check_phase1(blocks, queries, norm_weights)
-    if not runs_here(blocks, queries, norm_weights):
-        return two_phase.phase1(blocks, queries, norm_weights, eps)
-    out1, lse = phase1_split(blocks, queries.unbind(0), norm_weights.unbind(0), eps, grad_into)
-    if len(out1) == 1:  # the final aggregation's: views, no copy
-        return out1[0].unsqueeze(0), lse[0].unsqueeze(0)
-    return torch.stack(out1), torch.stack(lse)
-
-
-def phase1_split(
-    blocks: Tensor,
-    queries: Sequence[Tensor],
-    norm_weights: Sequence[Tensor],
-    eps: float = 1e-6,
-    grad_into: Callable[[], Tensor] | None = None,
+    grad_into: Callable[[], tuple[Tensor, bool]] | None = None,
     first_norm: tuple[Tensor, float] | None = None,
 ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
-    """:func:`phase1` with the S queries and gains as separate ``[D]`` tensors (the sublayers'
-    parameters as they are) and S separate outputs ``(out1, lse)``: no ``[S, ...]`` stack of
-    either is formed, in forward or backward. ``first_norm`` (an RMSNorm's ``(weight, eps)``,
-    float32 blocks only): the first output is ``rms_norm(out1[0], weight, eps)`` instead,
-    formed by the same kernel pass."""
-    s = len(queries)
-    if s == 0 or not runs_here(blocks, *queries, *norm_weights):
-        out1, lse = two_phase.phase1(blocks, torch.stack(queries), torch.stack(norm_weights), eps)
-        out1, lse = out1.unbind(0), lse.unbind(0)
-        if first_norm is not None:
-            weight, norm_eps = first_norm
+    """:func:`attnres_dist.ops.two_phase.phase1` through the fused kernel, with its two
+    options: ``grad_into`` (float32 blocks) gives where the backward adds the blocks'
+    gradient instead of returning it; ``first_norm`` (an RMSNorm's ``(weight, eps)``) makes
+    the first output ``rms_norm(out1[0], weight, eps)``, formed by the same pass (see
+    ``attnres_dist.ops``). Inputs off the CPU or in float64 take the torch ops."""
+    two_phase.check_packed(blocks, weights)
+    weight, norm_eps = (None, 0.0) if first_norm is None else first_norm
+    if not runs_here(blocks, weights, *(() if weight is None else (weight,))):
+        out1, lse = two_phase.phase1(blocks, weights, eps)
+        if weight is not None:
             out1 = (F.rms_norm(out1[0], (out1[0].shape[-1],), weight, norm_eps), *out1[1:])
         return out1, lse
-    if s != len(norm_weights) or any(
-        t.shape != blocks.shape[-1:] for t in (*queries, *norm_weights)
-    ):
-        shapes = [tuple(t.shape) for t in (*queries, *norm_weights)]
-        raise ValueError(f"need S >= 1 queries and S gains of shape [D], got {shapes}")
-    weight, norm_eps = (None, 0.0) if first_norm is None else first_norm
-    if weight is not None and (weight.shape != blocks.shape[-1:] or not runs_here(weight)):
-        raise ValueError(f"first_norm: need a CPU gain of shape [D], got {tuple(weight.shape)}")
-    outputs = _Phase1.apply(blocks, eps, grad_into, norm_eps, s, weight, *queries, *norm_weights)
+    if weight is not None and weight.shape != blocks.shape[-1:]:
+        raise ValueError(f"first_norm: need a gain of shape [D], got {tuple(weight.shape)}")
+    s = weights.shape[0]
+    outputs = _Phase1.apply(blocks, weights, eps, grad_into, weight, norm_eps)
     return outputs[:s], outputs[s:]
 
 
@@ -294,20 +249,23 @@ def phase2(
     out1: Tensor,
     lse: Tensor,
     extra: Tensor,
-    query: Tensor,
-    norm_weight: Tensor,
+    weights: Tensor,
     eps: float = 1e-6,
-    grad_into: Callable[[], Tensor] | None = None,
+    grad_into: Callable[[], tuple[Tensor, bool]] | None = None,
+    norm: tuple[Tensor, float] | None = None,
 ) -> Tensor:
     """:func:`attnres_dist.ops.two_phase.phase2` through the fused kernels (one extra source:
-    the two-way softmax; several: the general merge). ``grad_into``: as for :func:`phase1`,
-    for the extras' gradient."""
+    the two-way softmax; several: the general merge), with its two options: ``grad_into`` as
+    for :func:`phase1`, for the extras' gradient; ``norm`` (an RMSNorm's ``(weight, eps)``)
+    applies the sublayer's RMSNorm to the result in the same pass
+    (:mod:`attnres_dist.ops.cpu_merge_norm`)."""
     two_phase.check_phase2(out1, lse, extra)
-    if not runs_here(out1, lse, extra, query, norm_weight):
-        return two_phase.phase2(out1, lse, extra, query, norm_weight, eps)
+    two_phase.check_packed_row(weights, extra.shape[-1])
+    if norm is not None and fuses(out1, lse, extra, weights, norm[0]):
+        return merge_rms_norm(out1, lse, extra, weights, *norm, eps, grad_into)
+    if norm is not None:
+        return rms_norm(phase2(out1, lse, extra, weights, eps, grad_into), *norm)
+    if not runs_here(out1, lse, extra, weights):
+        return two_phase.phase2(out1, lse, extra, weights, eps)
     merge = _Merge1 if extra.shape[0] == 1 else _Merge
-    return merge.apply(out1, lse, extra, query, norm_weight, eps, grad_into)
-
-
-# one-pass depth attention from these phases (phase 1 over all but the last source)
-one_pass = one_pass_adapter(two_phase.compose_phases(phase1, phase2))
+    return merge.apply(out1, lse, extra, weights, eps, grad_into)

@@ -19,6 +19,7 @@ import os
 import torch
 
 from attnres_dist.ops import DepthAttentionImpl
+from attnres_dist.ops.two_phase import check_packed, check_packed_row
 
 TRITON_MODULE = "attnres_dist.ops.triton_two_phase"
 OUTSIDE_MODULE = "attnres_dist.ops.outside_kernels"
@@ -80,22 +81,41 @@ def _lazy(module: str, attr: str):
     return call
 
 
+def _phases(module: str, phase1: str, phase2: str):
+    """The registry's two signatures (packed weights, S outputs) around a kernel module's
+    ``phase1(blocks, queries [S, D], gains [S, D], eps) -> (out1 [S, ...], lse [S, ...])`` and
+    ``phase2(out1, lse, extra, query [D], gain [D], eps)``, imported on first call."""
+    first, second = _lazy(module, phase1), _lazy(module, phase2)
+
+    def packed_phase1(blocks, weights, eps: float = 1e-6):
+        check_packed(blocks, weights)
+        queries, gains = (t.contiguous() for t in weights.unbind(-2))
+        out1, lse = first(blocks, queries, gains, eps)
+        return out1.unbind(0), lse.unbind(0)
+
+    def packed_phase2(out1, lse, extra, weights, eps: float = 1e-6):
+        check_packed_row(weights, extra.shape[-1])
+        query, gain = weights.unbind(0)
+        return second(out1, lse, extra, query, gain, eps)
+
+    return packed_phase1, packed_phase2
+
+
 TRITON = DepthAttentionImpl(
     "triton",
-    _lazy(TRITON_MODULE, "one_pass"),
-    phase1=_lazy(TRITON_MODULE, "phase1"),
-    phase2=_lazy(TRITON_MODULE, "phase2"),
+    *_phases(TRITON_MODULE, "phase1", "phase2"),
     devices=("cuda",),
     requirement=triton_requirement,
 )
 FLA = DepthAttentionImpl(
-    "fla", _lazy(OUTSIDE_MODULE, "fla_one_pass"), devices=("cuda",), requirement=fla_requirement
+    "fla",
+    one_pass=_lazy(OUTSIDE_MODULE, "fla_one_pass"),
+    devices=("cuda",),
+    requirement=fla_requirement,
 )
 FLASH_ATTN_RES = DepthAttentionImpl(
     "flash_attn_res",
-    _lazy(OUTSIDE_MODULE, "flash_attn_res_one_pass"),
-    phase1=_lazy(OUTSIDE_MODULE, "flash_attn_res_phase1"),
-    phase2=_lazy(OUTSIDE_MODULE, "flash_attn_res_phase2"),
+    *_phases(OUTSIDE_MODULE, "flash_attn_res_phase1", "flash_attn_res_phase2"),
     devices=("cuda",),
     requirement=flash_attn_res_requirement,
 )

@@ -98,14 +98,3 @@ def flash_attn_res_phase2(
         eps,
     )
     return merged.view(*batch, dim).to(extra.dtype)
-
-
-@one_pass_adapter
-def flash_attn_res_one_pass(
-    query: Tensor, sources: Sequence[Tensor], norm_weight: Tensor, eps: float
-) -> Tensor:
-    """One-pass depth attention as flash-attn-res's phase 1 with one query."""
-    out1, _ = flash_attn_res_phase1(
-        torch.stack(tuple(sources)), query[None], norm_weight[None], eps
-    )
-    return out1[0].to(sources[0].dtype)

@@ -19,13 +19,11 @@ softmax over all sources. Math per token, blocks ``b_j``, queries ``w_l``, gains
 With one extra source (the Block partial) the merge is a two-way softmax: ``out = lerp(out1, e,
 a)``, ``a = sigmoid(le - lse)`` (``_Merge1``), a handful of ops per sublayer.
 
-The model's queries and gains are packed, each mixer's pair one ``[2, D]`` row of a parameter
-(``model/depth_mixing.py``): ``phase1_packed`` and ``phase2_packed`` take those rows as they
-are and return their gradient as one tensor, ``d w = du * g`` and ``d g = du * w`` in one
-product with the pair swapped. With separate queries and gains the model's graph would pack
-the two gradients again (a stack per mixer and a cat per block, in the compiled backward:
-0.97x Block's host time per chunk step on the CPU proxy without them). ``phase1`` and
-``phase2`` take them apart and pack them for the same functions.
+Both take the model's queries and gains packed, each mixer's pair one ``[2, D]`` row of a
+parameter (``model/depth_mixing.py``), and return their gradient as one tensor: ``d w = du * g``
+and ``d g = du * w`` in one product with the pair swapped, which the parameter takes as it is
+(separate gradients would be packed again by the model's graph: a stack per mixer and a cat
+per block).
 
 Both are ``torch.autograd.Function``s with hand-derived backwards that save only their inputs
 and per-token statistics (phase 1: the key statistics ``[n, T]`` and the logits ``[n, T, S]``,
@@ -64,23 +62,29 @@ def _matmul(a: Tensor, b: Tensor) -> Tensor:
     return torch.matmul(a, b)
 
 
-def check_phase1(blocks: Tensor, queries: Tensor, norm_weights: Tensor) -> None:
+def check_packed(blocks: Tensor, weights: Tensor) -> None:
+    """Phase 1's inputs: blocks ``[n >= 1, *batch, D]``, weights ``[S, 2, D]`` beside them."""
     if not isinstance(blocks, Tensor) or blocks.dim() < 2 or blocks.shape[0] < 1:
         got = tuple(blocks.shape) if isinstance(blocks, Tensor) else type(blocks).__name__
         raise ValueError(f"blocks must have shape [n >= 1, *batch, D], got {got}")
     if not blocks.is_floating_point():
         raise ValueError(f"blocks must be floating point, got {blocks.dtype}")
     dim = blocks.shape[-1]
-    for name, t in (("queries", queries), ("norm_weights", norm_weights)):
-        if not isinstance(t, Tensor) or t.dim() != 2 or t.shape[1] != dim:
-            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(f"{name} must have shape [S, D={dim}], got {got}")
-        if t.device != blocks.device:
-            raise ValueError(f"{name} is on {t.device} but blocks are on {blocks.device}")
-    if queries.shape != norm_weights.shape:
-        raise ValueError(
-            f"queries {tuple(queries.shape)} and norm_weights {tuple(norm_weights.shape)} differ"
-        )
+    shape = tuple(weights.shape) if isinstance(weights, Tensor) else None
+    if shape is None or len(shape) != 3 or shape[0] < 1 or shape[1:] != (2, dim):
+        got = shape if shape is not None else type(weights).__name__
+        want = f"[S, 2, D={dim}] (query, gain per mixer)"
+        raise ValueError(f"weights must have shape {want}, got {got}")
+    if weights.device != blocks.device:
+        raise ValueError(f"weights are on {weights.device} but blocks are on {blocks.device}")
+
+
+def check_packed_row(weights: Tensor, dim: int) -> None:
+    """Phase 2's weights: one mixer's ``[2, D]`` (query, gain)."""
+    shape = tuple(weights.shape) if isinstance(weights, Tensor) else None
+    if shape != (2, dim):
+        got = shape if shape is not None else type(weights).__name__
+        raise ValueError(f"weights must have shape [2, D={dim}] (query, gain), got {got}")
 
 
 def check_phase2(out1: Tensor, lse: Tensor, extra: Tensor) -> None:
@@ -184,7 +188,7 @@ class _Phase1(torch.autograd.Function):
 
 class _Phase2(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, out1, lse, extra, query, norm_weight, eps):
+    def forward(ctx, out1, lse, extra, weights, eps):
         m, dim = extra.shape[0], extra.shape[-1]
         shape = extra.shape[1:]
         dtype = compute_dtype(extra.dtype)
@@ -192,7 +196,7 @@ class _Phase2(torch.autograd.Function):
         tokens = e.shape[1]
         o1 = out1.reshape(tokens, dim).to(dtype)
         l1 = lse.reshape(tokens).to(dtype)
-        u = norm_weight.to(dtype) * query.to(dtype)
+        u = _products(weights, dtype)
         flat = e.reshape(m * tokens, dim)
         rstd = _key_stats(flat, eps)
         le = torch.mv(flat, u).mul_(rstd).view(m, tokens)
@@ -202,23 +206,23 @@ class _Phase2(torch.autograd.Function):
         acc = o1 * a0.unsqueeze(1)
         for k in range(m):
             acc.addcmul_(e[k], ae[k].unsqueeze(1))
-        ctx.save_for_backward(out1, lse, extra, query, norm_weight, rstd, le, total)
+        ctx.save_for_backward(out1, lse, extra, weights, rstd, le, total)
         ctx.set_materialize_grads(False)
         return acc.to(extra.dtype).view(shape)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        out1, lse, extra, query, norm_weight, rstd, le, total = ctx.saved_tensors
+        out1, lse, extra, weights, rstd, le, total = ctx.saved_tensors
         if grad_out is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None
         m, dim = extra.shape[0], extra.shape[-1]
         dtype = compute_dtype(extra.dtype)
         e = extra.reshape(m, -1, dim).to(dtype)
         tokens = e.shape[1]
         o1 = out1.reshape(tokens, dim).to(dtype)
         l1 = lse.reshape(tokens).to(dtype)
-        u = norm_weight.to(dtype) * query.to(dtype)
+        u = _products(weights, dtype)
         flat = e.reshape(m * tokens, dim)
         a0 = (l1 - total).exp_()
         ae = (le - total).exp_()
@@ -234,7 +238,7 @@ class _Phase2(torch.autograd.Function):
         need = ctx.needs_input_grad
         grad_o1 = (g * a0.unsqueeze(1)).to(out1.dtype).view(out1.shape) if need[0] else None
         grad_l1 = d_l1.to(lse.dtype).view(lse.shape) if need[1] else None
-        grad_e = grad_q = grad_g = None
+        grad_e = grad_w = None
         d_flat = d_le.view(-1)
         if need[2]:
             coef = (d_flat * le.view(-1)).mul_(rstd.square() * (-1.0 / dim))
@@ -243,13 +247,9 @@ class _Phase2(torch.autograd.Function):
             ge = ge.view(m, tokens, dim)
             ge.addcmul_(g.unsqueeze(0), ae.unsqueeze(2))
             grad_e = ge.to(extra.dtype).view(extra.shape)
-        if need[3] or need[4]:
-            du = torch.mv(flat.t(), d_flat * rstd)
-            if need[3]:
-                grad_q = (du * norm_weight.to(dtype)).to(query.dtype)
-            if need[4]:
-                grad_g = (du * query.to(dtype)).to(norm_weight.dtype)
-        return grad_o1, grad_l1, grad_e, grad_q, grad_g, None
+        if need[3]:
+            grad_w = _weights_grad(torch.mv(flat.t(), d_flat * rstd), weights)
+        return grad_o1, grad_l1, grad_e, grad_w, None
 
 
 class _Merge1(torch.autograd.Function):
@@ -306,80 +306,50 @@ class _Merge1(torch.autograd.Function):
         return grad_o1, grad_l1, grad_e, grad_w, None
 
 
-def _check_packed(weights: Tensor, dims: int, dim: int) -> None:
-    """Packed weights: ``[S, 2, D]`` (``dims`` 3) or ``[2, D]`` (2), the pair query, gain."""
-    shape = tuple(weights.shape) if isinstance(weights, Tensor) else None
-    if shape is None or len(shape) != dims or shape[-2:] != (2, dim):
-        want = f"[S, 2, D={dim}]" if dims == 3 else f"[2, D={dim}]"
-        got = shape if shape is not None else type(weights).__name__
-        raise ValueError(f"weights must have shape {want} (query, gain per mixer), got {got}")
-
-
-def phase1(
-    blocks: Tensor, queries: Tensor, norm_weights: Tensor, eps: float = 1e-6
-) -> tuple[Tensor, Tensor]:
+def phase1(blocks: Tensor, weights: Tensor, eps: float = 1e-6) -> tuple[tuple, tuple]:
     """Attend the ``S`` queries over the ``n`` completed blocks in one batched pass.
 
     Args:
         blocks: ``[n, *batch, D]``, the contiguous store of completed blocks (any float dtype).
-        queries: ``[S, D]`` pseudo-queries ``w_l``.
-        norm_weights: ``[S, D]`` key-norm gains ``g_l``.
+        weights: ``[S, 2, D]``, each mixer's pseudo-query ``w_l`` and key gain ``g_l`` (rows
+            of the model's ``mixer_weights``: their gradient is one tensor).
 
     Returns:
-        ``(out1, lse)``: ``out1`` ``[S, *batch, D]`` and ``lse`` ``[S, *batch]`` in float32
-        (float64 for float64 blocks); ``out1_l`` is the softmax-weighted sum of the blocks
-        under query ``l``, ``lse_l`` the log-sum-exp of its logits.
+        ``(out1, lse)``: S tensors ``[*batch, D]`` and S ``[*batch]``, float32 (float64 for
+        float64 blocks); ``out1_l`` is the softmax-weighted sum of the blocks under query
+        ``l``, ``lse_l`` the log-sum-exp of its logits.
     """
-    check_phase1(blocks, queries, norm_weights)
-    return _Phase1.apply(blocks, torch.stack((queries, norm_weights), 1), eps)
+    check_packed(blocks, weights)
+    out1, lse = _Phase1.apply(blocks, weights, eps)
+    # unbound once: one backward node stacks the S gradients, where S index ops would each
+    # fill a zero tensor of the whole [S, ...] and add it up
+    return out1.unbind(0), lse.unbind(0)
 
 
-def phase1_packed(blocks: Tensor, weights: Tensor, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
-    """:func:`phase1` with the queries and gains packed as ``weights`` ``[S, 2, D]`` (row
-    ``l``: query ``w_l``, gain ``g_l``; a slice of the model's ``mixer_weights``): their
-    gradient is one ``[S, 2, D]`` tensor, not two that the caller's graph packs again."""
-    _check_packed(weights, 3, blocks.shape[-1])
-    check_phase1(blocks, weights[:, 0], weights[:, 1])
-    return _Phase1.apply(blocks, weights, eps)
-
-
-def phase2(
-    out1: Tensor, lse: Tensor, extra: Tensor, query: Tensor, norm_weight: Tensor, eps: float = 1e-6
-) -> Tensor:
+def phase2(out1: Tensor, lse: Tensor, extra: Tensor, weights: Tensor, eps: float = 1e-6) -> Tensor:
     """Merge ``extra`` ``[m, *batch, D]`` into one sublayer's phase-1 result by online softmax.
 
-    ``out1`` ``[*batch, D]`` and ``lse`` ``[*batch]`` are that sublayer's slice of
-    :func:`phase1`'s results; ``query`` and ``norm_weight`` are ``[D]``. Returns the one-pass
+    ``out1`` ``[*batch, D]`` and ``lse`` ``[*batch]`` are that sublayer's entries of
+    :func:`phase1`'s results, ``weights`` its ``[2, D]`` (query, gain). Returns the one-pass
     softmax mix over ``blocks ++ extra`` in ``extra``'s dtype.
     """
     check_phase2(out1, lse, extra)
-    if extra.shape[0] == 1:
-        return _Merge1.apply(out1, lse, extra, torch.stack((query, norm_weight)), eps)
-    return _Phase2.apply(out1, lse, extra, query, norm_weight, eps)
-
-
-def phase2_packed(
-    out1: Tensor, lse: Tensor, extra: Tensor, weights: Tensor, eps: float = 1e-6
-) -> Tensor:
-    """:func:`phase2` with the query and gain packed as ``weights`` ``[2, D]``."""
-    check_phase2(out1, lse, extra)
-    _check_packed(weights, 2, extra.shape[-1])
-    if extra.shape[0] == 1:
-        return _Merge1.apply(out1, lse, extra, weights, eps)
-    query, norm_weight = weights.unbind(0)
-    return _Phase2.apply(out1, lse, extra, query, norm_weight, eps)
+    check_packed_row(weights, extra.shape[-1])
+    merge = _Merge1 if extra.shape[0] == 1 else _Phase2
+    return merge.apply(out1, lse, extra, weights, eps)
 
 
 def compose_phases(first, second):
     """One-pass depth attention ``kernel(query, sources, norm_weight, eps)`` built from a
-    ``phase1`` (over all sources but the last) and a ``phase2`` (merging the last)."""
+    backend's ``phase1`` (over all sources but the last) and ``phase2`` (merging the last)."""
 
     def kernel(query: Tensor, sources: Sequence[Tensor], norm_weight: Tensor, eps: float):
+        weights = torch.stack((query, norm_weight))
         head = sources[0].unsqueeze(0) if len(sources) <= 2 else torch.stack(sources[:-1])
-        out1, lse = first(head, query.unsqueeze(0), norm_weight.unsqueeze(0), eps)
+        out1, lse = first(head, weights.unsqueeze(0), eps)
         if len(sources) == 1:
             return out1[0].to(sources[0].dtype)
-        return second(out1[0], lse[0], sources[-1].unsqueeze(0), query, norm_weight, eps)
+        return second(out1[0], lse[0], sources[-1].unsqueeze(0), weights, eps)
 
     kernel.__name__ = kernel.__qualname__ = f"one_pass_{first.__module__.rsplit('.', 1)[-1]}"
     return kernel
