@@ -14,8 +14,7 @@ same masks. Inductor's run-time size and alignment assertions are off in these r
 every call they re-check what was settled when the graph was compiled (the sizes and strides
 of the inputs: Dynamo guards the forward's, and the backward's come from the region's own
 forward; the output layouts of its fallback kernels, which inductor chose), one host call
-each: 560 a step for Block's 12-layer chunk, 395 for the baseline's. Without them the CPU
-proxy's host time per step was 0.94x (Block) and 0.95x (baseline), measured side by side.
+each (docs/profiling.md has what they cost).
 
 ``cuda_graphs``: inductor's ``triton.cudagraphs`` (what mode ``reduce-overhead`` sets; a mode
 and options cannot be given together): each region's forward and backward replay as CUDA graph
@@ -35,9 +34,8 @@ steps. What keeps that true: a region reads nothing from Python that varies betw
 one run (the diagnostics hook is checked outside the regions, ``AttnResLayer.apply_layer``),
 and any compile anywhere (an evaluation's first pass, a new shape) sends the next step back to
 every guard. Evaluations run with every guard: sharing the stance would let an evaluation's
-first pass pick a training graph, before the train / eval guard has ever failed. On the CPU
-proxy (``bench/host_bench.py``) the stance took the compiled step's host time to 0.89x
-(baseline) and 0.87x (Block).
+first pass pick a training graph, before the train / eval guard has ever failed (what it
+saves: docs/compile.md).
 """
 
 from __future__ import annotations
@@ -54,9 +52,8 @@ def compile_region(method, backend: str = "inductor", cuda_graphs: bool = False)
     config = torch._dynamo.config
     # a region over several layers reaches shared objects (the block plan, two-phase segments
     # spanning layers) by several paths; Dynamo guards that they are still one object, by
-    # default in a Python function run on every call, which steady guards do not skip
-    # (0.15 ms a step for Block's 12-layer chunk on the CPU proxy); as tree guards they are
-    # the same checks in C++
+    # default in a Python function run on every call, which steady guards do not skip; as
+    # tree guards they are the same checks in C++
     config.use_lamba_guard_for_object_aliasing = False
     options = None
     if backend == "inductor":  # (module docstring)

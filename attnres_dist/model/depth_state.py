@@ -66,7 +66,7 @@ class StoreBuffer:
     The gradient is allocated uninitialised; a row is written in full by its first writer when
     that writer can (a kernel told ``accumulate=False`` by :meth:`grad_rows`), else zeroed and
     added into. The first writer is usually the final aggregation's phase 1, which covers every
-    row: then no row is zero-filled (the 32 x 64 Full model's buffer is 33 MB).
+    row: then no row is zero-filled (docs/kernels.md gives the sizes spared).
     """
 
     __slots__ = ("data", "_grad", "_unset")

@@ -16,11 +16,11 @@ bf16 is DeepSpeed's bf16 engine (``pipeline/precision.py``: bf16 parameters, fp3
 weights in its optimizer). ``auto`` takes it on a GPU that supports bf16; it also runs on CPU
 (DeepSpeed's CPU accelerator), where it is taken only when asked for explicitly.
 
-The depth-attention implementation (``model.attnres.impl``) is resolved here too: ``auto``
-takes the ``triton`` kernel on a CUDA device when its requirement is met, else the torch
-two-phase ops (``twophase``); on a CPU it takes the project's fused C kernels (``cpu_fused``)
-where they build, else ``twophase``: measured side by side on the project's CPUs both beat the
-lean one-pass op at every op shape run there (``make bench``).
+The depth-attention backend (``model.attnres.impl``) is resolved here too: ``auto`` takes
+fla-core's fused kernel (``fla``) on a CUDA device where it is installed, else the project's
+Triton kernels (``triton``) where they run, else the torch two-phase ops (``twophase``); on a
+CPU it takes the project's fused C kernels (``cpu_fused``) where they build, else
+``twophase`` (docs/kernels.md has the measurements behind each choice).
 
 So is the host allocator's policy (``runtime.cpu_allocator``): ``auto`` on a CPU run with
 glibc keeps freed memory in the process (``attnres_dist.runtime.allocator``), which this
@@ -171,8 +171,7 @@ def select_depth_attention(requested: str, device: str, compiled: bool = False) 
             )
     if requested == "auto":
         if device == "cuda":
-            # fla's fused kernel first: measured on an H200 it takes 0.76x the project's Triton
-            # kernel's time where bytes decide and as long in a training step (docs/kernels.md)
+            # fla's fused kernel first, then the project's Triton kernels (docs/kernels.md)
             fla = why_not.get("fla", "not registered")
             if fla is None:
                 return Choice("fla", "auto: CUDA device and fla-core's fused_attnres kernel")
