@@ -35,24 +35,27 @@ train: setup
 train-single: setup
 	$(VENV)/bin/attnres-dist train --config $(CONFIG) $(ARGS)
 
+# The package, its tests and the measurement harness (which the wheel does not ship).
+LINTED := attnres_dist bench gpu_check studies tests
+
 test: setup
-	$(VENV)/bin/ruff check attnres_dist tests
+	$(VENV)/bin/ruff check $(LINTED)
 	$(PY) -m pytest -q -p no:cacheprovider --durations=30 $(PYTEST_ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check attnres_dist tests
-	$(VENV)/bin/ruff format --check attnres_dist tests
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
 	$(VENV)/bin/hadolint docker/Dockerfile
 
 bench: setup
-	$(PY) -m attnres_dist.bench.run --out bench_results
+	$(PY) -m bench.run --out bench_results
 
 # baseline vs Block vs Full AttnRes at three peak learning rates, 2 seeds each, into
 # docs/results.md (each variant at its best rate beside every run; about 80 min on 2 cores;
 # finished runs in runs/study are kept, so an interrupted study resumes)
 STUDY_LRS ?= 1e-3 3e-3 6e-3
 study: setup
-	$(PY) -m attnres_dist.diagnostics.study --lrs $(STUDY_LRS) --seeds 1 2 $(ARGS)
+	$(PY) -m studies.study --lrs $(STUDY_LRS) --seeds 1 2 $(ARGS)
 
 clean:
 	rm -rf runs bench_results .cache

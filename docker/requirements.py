@@ -1,7 +1,7 @@
 """Print the project's runtime requirements that the image installs on top of its base.
 
 The one list both docker/Dockerfile (either flavour) and ``make gpu-check``
-(attnres_dist/gpu_check/run.py) install, then the project itself with ``--no-deps``. Everything
+(gpu_check/run.py) install, then the project itself with ``--no-deps``. Everything
 in pyproject.toml's ``dependencies`` is kept, pins included (DeepSpeed and Megatron-Core versions
 are the project's), and the ``gpu`` extra (fla-core's fused depth-attention kernel, ``auto``'s
 choice on CUDA) is added. The flavours differ in torch alone:

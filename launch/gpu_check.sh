@@ -11,4 +11,4 @@ OUT_DIR="${OUT:-gpu_check_out}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 args=(--out "$OUT_DIR" --wheels .whl)
 if [ "${GPU_CHECK_DRY_RUN:-0}" = 1 ]; then args+=(--dry-run); fi
-exec "$PYTHON" -m attnres_dist.gpu_check.run "${args[@]}" "$@"
+exec "$PYTHON" -m gpu_check.run "${args[@]}" "$@"

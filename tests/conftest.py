@@ -103,6 +103,11 @@ def run_job(args: list[str], nproc: int = 1, timeout: int = 600, env: dict | Non
     """Run ``python args...`` in one process, or under torchrun with ``nproc`` ranks."""
     full_env = child_env()
     full_env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # a worker script's own folder is its sys.path[0]: the repository root lets it import the
+    # harness folders (bench/, gpu_check/), which the installed package does not hold
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(REPO), os.environ.get("PYTHONPATH")])
+    )
     full_env.update(env or {})
     if nproc == 1:
         cmd = [sys.executable, *args]

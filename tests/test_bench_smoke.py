@@ -11,7 +11,8 @@ import os
 
 import pytest
 
-from attnres_dist.bench import (
+from attnres_dist.ops.cpu_library import requirement
+from bench import (
     binding_bench,
     depth_attention_bench,
     generation_bench,
@@ -19,14 +20,13 @@ from attnres_dist.bench import (
     pipeline_bench,
     precision_bench,
 )
-from attnres_dist.bench.extra_time import fixed_cost_rows, kernel_rows
-from attnres_dist.bench.peak_memory import peak_bytes
-from attnres_dist.bench.run import (
+from bench.extra_time import fixed_cost_rows, kernel_rows
+from bench.peak_memory import peak_bytes
+from bench.run import (
     generation_rows,
     precision_markdown,
     summary_markdown,
 )
-from attnres_dist.ops.cpu_library import requirement
 from tests.conftest import TINY_MODEL
 
 
@@ -118,8 +118,8 @@ def test_pipeline_bench_smoke(small_dataset, tmp_path):
 
 
 def test_norm_bench_smoke(tmp_path):
-    from attnres_dist.bench import norm_bench
     from attnres_dist.ops.cpu_rms_norm import requirement
+    from bench import norm_bench
 
     result = norm_bench.run(tmp_path, tokens=32, reps=1, warmup=0)
     assert (tmp_path / "norm.json").exists()
@@ -243,7 +243,7 @@ def test_compile_bench_smoke(tmp_path):
     """Every layer and the final aggregation one graph each, no break, one compile each and
     no recompile; the counts and the summary rows exist for each mode (aot_eager: no code
     generation)."""
-    from attnres_dist.bench import compile_bench
+    from bench import compile_bench
 
     shape = ("model.num_layers=2", "model.hidden_size=32")
     result = compile_bench.run(tmp_path, backend="aot_eager", shape=shape, batch=2, seq=16, steps=2)
@@ -261,7 +261,7 @@ def test_host_bench_smoke(tmp_path):
     """Every variant (ours on DeepSpeed's bf16 engine, eager, per layer and per chunk; the
     plain GPT eager, per block and whole) steps, its aten ops are counted, and the ratios and
     the summary's floors are there (aot_eager: no code generation; 2 layers)."""
-    from attnres_dist.bench import host_bench
+    from bench import host_bench
 
     shape = (
         "model.num_layers=2",

@@ -28,7 +28,7 @@ from attnres_dist.parallel.tp_shards import gather_full
 init_distributed(ParallelDims(), device="cuda")
 out = {"backend": dist.get_backend(), "device": str(comm_device())}
 with CommDeviceCheck(comm_device(), strict=True) as check:
-    from attnres_dist.bench.launch_job import slowest_rank_seconds
+    from bench.launch_job import slowest_rank_seconds
     out["slowest"] = slowest_rank_seconds(1.5)
     t = torch.arange(6.0, device=comm_device())
     out["gather"] = gather_full(t).tolist()

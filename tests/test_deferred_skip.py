@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnres_dist.bench.host_reads import HostReads
+from bench.host_reads import HostReads
 from tests.test_host_work import _engine, deepspeeds_own
 
 SKIPPED = (2, 3)  # 0-based steps whose gradients are made non-finite

@@ -20,7 +20,6 @@ import importlib
 import pytest
 import torch
 
-from attnres_dist.bench.saved_bytes import SavedTensorCounter
 from attnres_dist.ops import (
     DepthAttentionImpl,
     available_depth_attention_impls,
@@ -29,6 +28,7 @@ from attnres_dist.ops import (
     get_depth_attention,
     register_depth_attention,
 )
+from bench.saved_bytes import SavedTensorCounter
 
 da_module = importlib.import_module("attnres_dist.ops.depth_attention")
 

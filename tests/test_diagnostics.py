@@ -328,7 +328,7 @@ def test_study_results_file_from_run_dirs(runs, tmp_path):
     """The study's last stage (no training): results.md with tables, reading and figures."""
     from argparse import Namespace
 
-    from attnres_dist.diagnostics import study
+    from studies import study
 
     args = Namespace(
         results=str(tmp_path / "results.md"), config="configs/study-cpu.yaml", overrides=[], nproc=1
@@ -344,8 +344,8 @@ def test_study_results_file_from_run_dirs(runs, tmp_path):
 def test_lr_sweep_picks_each_architectures_lowest_mean_loss():
     from types import SimpleNamespace
 
-    from attnres_dist.diagnostics import lr_sweep
     from attnres_dist.diagnostics.runs import Variant
+    from studies import lr_sweep
 
     def variant(mode, lr):
         config = {"model": {"attnres": {"mode": mode, "block_size": 3}}, "optim": {"lr": lr}}
@@ -380,7 +380,7 @@ def test_lr_sweep_picks_each_architectures_lowest_mean_loss():
 @pytest.mark.slow
 def test_study_with_a_learning_rate_sweep(tmp_path):
     """The whole driver, briefly: Block at 2 rates x 1 seed x 20 steps, then results.md."""
-    from attnres_dist.diagnostics import study
+    from studies import study
 
     out = tmp_path / "study"
     args = ["--variants", "block", "--seeds", "1", "--lrs", "1e-3", "3e-3", "--out", str(out)]

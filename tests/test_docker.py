@@ -147,7 +147,7 @@ def test_gpu_check_installs_the_list_the_dockerfile_installs():
     scripts (FLAVOUR at its default), and the wheels `make gpu-wheels` carries fit its pins."""
     from packaging.requirements import Requirement
 
-    from attnres_dist.gpu_check import run as gpu_run
+    from gpu_check import run as gpu_run
 
     step = (
         dependency_step().replace("/tmp/build/", "docker/").replace("docker/pyproject", "pyproject")

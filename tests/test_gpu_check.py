@@ -20,7 +20,7 @@ from tests.conftest import REPO, VENV_BIN, child_env
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
-    from attnres_dist.gpu_check.run import STEPS
+    from gpu_check.run import STEPS
 
     out = tmp_path_factory.mktemp("gpu_check")
     env = child_env()
@@ -112,7 +112,7 @@ def test_unresolvable_wheels_are_installed_without_deps_and_the_conflict_reporte
     the check then installs them with --no-deps (a real pip into a real venv) and says so."""
     import io
 
-    from attnres_dist.gpu_check import run
+    from gpu_check import run
 
     wheels = tmp_path / "whl"
     wheels.mkdir()
@@ -140,7 +140,7 @@ def test_a_step_past_its_limit_is_killed_with_what_it_started_and_its_output_kep
     import time
     from pathlib import Path
 
-    from attnres_dist.gpu_check import run
+    from gpu_check import run
 
     log = io.StringIO()
     script = "sleep 60 & echo child=$!; wait"
@@ -159,7 +159,7 @@ def test_a_step_past_its_limit_is_killed_with_what_it_started_and_its_output_kep
 def test_the_report_renders_rows_cut_short_and_a_partial_profile():
     """A registry row skipped at the step's limit has no device or shape; a profile cut at its
     limit has the runs it measured. The report shows both instead of failing on them."""
-    from attnres_dist.gpu_check import report
+    from gpu_check import report
 
     registry = [
         {"impl": "fla", "device": "cuda", "shape": [9, 8192, 768], "fwd_bwd_ms": 1.3},
@@ -207,7 +207,7 @@ def test_host_calls_count_launches_and_blocking_calls_per_step():
     """Two profiled steps: 700 launches of two kinds, 6 stream syncs (3 ms of host time), one
     blocking memcpy; ops and async copies are not blocking, and device kernels whose names
     start with "cu" (cuDNN, CUTLASS) are not runtime calls."""
-    from attnres_dist.gpu_check.step_profile import _host_calls
+    from gpu_check.step_profile import _host_calls
 
     prof = _Profile(
         [
@@ -238,7 +238,7 @@ def test_sync_sites_name_the_lines_that_synchronise(monkeypatch):
 
     import torch
 
-    from attnres_dist.gpu_check.step_profile import _sync_sites
+    from gpu_check.step_profile import _sync_sites
 
     modes = [0]
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: modes[-1])
@@ -264,12 +264,12 @@ def test_speed_step_dry_run_measures_each_path_and_cuts_at_its_limit(tmp_path):
     """``speed_125m`` on the CPU at a tiny shape: ceilings, floors, the eager rows, the plain
     GPT, decode; the rest until the step's limit (compiled with aot_eager), then cut; graphed
     rows need CUDA. Its gpu.md section renders the table and the floors beside the values."""
-    from attnres_dist.gpu_check import report
+    from gpu_check import report
 
     result_file = tmp_path / "speed.json"
     env = child_env()
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", GPU_CHECK_STEP_S="120")
-    cmd = [str(VENV_BIN / "python"), "-m", "attnres_dist.gpu_check.steps", "speed_125m"]
+    cmd = [str(VENV_BIN / "python"), "-m", "gpu_check.steps", "speed_125m"]
     cmd += ["--work", str(tmp_path / "work"), "--result", str(result_file), "--dry-run"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -300,7 +300,7 @@ def test_speed_step_dry_run_measures_each_path_and_cuts_at_its_limit(tmp_path):
 def test_speed_checks_hold_each_floor_to_the_fastest_path():
     """``speed_report.derive`` on hand-made rows: ratios of the fastest path of each mode,
     MFU from the floors, Block's extra time over its bytes floor, decode per token."""
-    from attnres_dist.gpu_check.speed_report import derive
+    from gpu_check.speed_report import derive
 
     def row(mb, mode, path, step_s):
         kind = "plain" if mode == "plain" else "model"

@@ -14,7 +14,7 @@ import tarfile
 
 import pytest
 
-from attnres_dist.gpu_check import report, study_step
+from gpu_check import report, study_step
 
 
 @pytest.mark.slow

@@ -43,12 +43,12 @@ def launch():
 
 
 def _engine(launch, dtype: str, *extra: str):
-    from attnres_dist.bench.host_bench import CONFIG, STEP, VOCAB
     from attnres_dist.config import load_config
     from attnres_dist.model.gpt import ModelBuilder
     from attnres_dist.parallel.dims import ParallelDims
     from attnres_dist.pipeline.engine import PipelineEngine
     from attnres_dist.runtime import select_runtime
+    from bench.host_bench import CONFIG, STEP, VOCAB
 
     words = [*SHAPE, *STEP, f"runtime.dtype={dtype}", "train.global_batch_size=2", *extra]
     cfg = load_config(CONFIG, words)

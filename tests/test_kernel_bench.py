@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from attnres_dist.bench import kernel_bench
+from bench import kernel_bench
 
 
 def test_dry_run_measures_every_available_impl(tmp_path):

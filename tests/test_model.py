@@ -177,7 +177,7 @@ def test_lean_and_reference_ops_agree_inside_the_model():
 
 def test_attnres_recompute_saves_less_for_backward():
     """recompute=attnres keeps no mix for backward: fewer saved bytes than none."""
-    from attnres_dist.bench.saved_bytes import SavedTensorCounter
+    from bench.saved_bytes import SavedTensorCounter
 
     window = tokens(batch=4, seq=65)
     saved = {}

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnres_dist.bench.saved_bytes import SavedTensorCounter
 from attnres_dist.config import load_config
 from attnres_dist.model.depth_mixing import FULL_GROUP, configure_segments
 from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
@@ -17,6 +16,7 @@ from attnres_dist.ops.cpu_two_phase import requirement as cpu_kernel_requirement
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
 from attnres_dist.pipeline.contract import pack, unpack
+from bench.saved_bytes import SavedTensorCounter
 from tests.tiny_model import VOCAB, randomize_mixers, tiny_overrides
 
 # the two-phase implementations runnable here (the fused CPU kernels need a C compiler)

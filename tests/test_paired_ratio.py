@@ -1,10 +1,10 @@
-"""The benches' paired estimates (attnres_dist.bench.paired), on hand-computed samples."""
+"""The benches' paired estimates (bench.paired), on hand-computed samples."""
 
 from __future__ import annotations
 
 import pytest
 
-from attnres_dist.bench.paired import (
+from bench.paired import (
     median_ratio,
     paired_difference,
     paired_interval,

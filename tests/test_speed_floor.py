@@ -1,4 +1,4 @@
-"""The speed step's floors (attnres_dist/bench/speed_floor.py) against independent counts:
+"""The speed step's floors (bench/speed_floor.py) against independent counts:
 torch's FlopCounterMode over PlainGPT's forward and backward (an outside count of every matrix
 product), and hand-computed cases of the attention products and of Table 1's bytes."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from attnres_dist.bench.plain_gpt import PlainGPT
-from attnres_dist.bench.speed_floor import attention_flops, block_extra_bytes, matmul_flops
 from attnres_dist.config import load_config
+from bench.plain_gpt import PlainGPT
+from bench.speed_floor import attention_flops, block_extra_bytes, matmul_flops
 
 
 def test_matmul_flops_match_torchs_flop_counter_on_the_plain_gpt():

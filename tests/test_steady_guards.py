@@ -107,8 +107,8 @@ def test_single_process_steady_steps_equal_every_guard_steps(launch, tmp_path, r
 
 def pipeline_run(launch, guards: str):
     """(stance before each step, losses, fp32 master weights) of DeepSpeed's engine at pp = 1."""
-    from attnres_dist.bench.host_bench import CONFIG, STEP
     from attnres_dist.pipeline.engine import PipelineEngine
+    from bench.host_bench import CONFIG, STEP
 
     torch._dynamo.reset()
     words = [f"{k}={v}" for k, v in _words(guards).items()]

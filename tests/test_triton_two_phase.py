@@ -278,7 +278,7 @@ def test_kernels_are_compiled_per_interpretation_mode(monkeypatch):
 @pytest.mark.parametrize("mode", DEVICES, indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_backward_saves_no_keys_or_per_block_intermediates(mode, dtype):
-    from attnres_dist.bench.saved_bytes import SavedTensorCounter
+    from bench.saved_bytes import SavedTensorCounter
 
     n, num_q, tokens = 9, 3, BATCH[0] * BATCH[1]
     blocks, extra, queries, gains, _ = make_case(n, num_q, 1, dtype, mode, seed=1)

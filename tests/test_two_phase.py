@@ -17,7 +17,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnres_dist.bench.saved_bytes import SavedTensorCounter
 from attnres_dist.ops import (
     DepthAttentionImpl,
     depth_attention_reference,
@@ -25,6 +24,7 @@ from attnres_dist.ops import (
     register_depth_attention,
     runnable_depth_attention_impls,
 )
+from bench.saved_bytes import SavedTensorCounter
 
 NS = [1, 2, 3, 9, 17]
 RUNNABLE = [name for name, why in runnable_depth_attention_impls().items() if why is None]

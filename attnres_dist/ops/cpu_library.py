@@ -181,7 +181,7 @@ def lanes() -> int:
     return _library()[0].phase1_lanes()
 
 
-# Measurement hook (``attnres_dist.bench.kernel_time``): a dict of seconds per entry point
+# Measurement hook (``bench.kernel_time``): a dict of seconds per entry point
 # while a clock runs, else None; an unmeasured call pays one global lookup.
 _clock: dict[str, float] | None = None
 

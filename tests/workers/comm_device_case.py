@@ -31,9 +31,9 @@ def main() -> None:
     trainer.train()
     trainer.engine.full_state()
     if trainer.dims.pp >= 2:
-        from attnres_dist.bench.launch_job import slowest_rank_seconds
         from attnres_dist.pipeline.contract import boundary_specs_for_config
         from attnres_dist.profile.calibrate import calibrate_links
+        from bench.launch_job import slowest_rank_seconds
 
         specs = boundary_specs_for_config(trainer.cfg, trainer.builder.vocab_size)
         sizes = {s.sender: s.bytes_forward for s in specs}

@@ -16,7 +16,7 @@ forwards erratic):
 
 ``run(out_dir)`` writes ``out_dir/generation.json`` and returns the same dict.
 
-Usage: ``python -m attnres_dist.bench.generation_bench --out DIR [--quick]``
+Usage: ``python -m bench.generation_bench --out DIR [--quick]``
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from attnres_dist.gpu_check import speed_report
+from gpu_check import speed_report
 
 RUN = (
     "make gpu-wheels   # once, on a CPU machine with network: .whl/ (git-ignored, ~50 MB)\n"
@@ -235,7 +235,7 @@ def markdown(summary: dict) -> str:
     out = [
         f"# {title}",
         "",
-        f"Written by `make gpu-check` (attnres_dist/gpu_check) on {summary['started']}: "
+        f"Written by `make gpu-check` (gpu_check/) on {summary['started']}: "
         f"{summary['wall_s']} s of a {summary['budget_s']:.0f} s budget. Base Python "
         f"{summary['base_python']}; carried wheels: {', '.join(summary['wheels']) or 'none'}.",
         "",

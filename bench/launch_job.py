@@ -29,7 +29,7 @@ from pathlib import Path
 
 from attnres_dist.parallel.launch_env import free_port
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "configs" / "tiny.yaml"
 
 
@@ -41,6 +41,10 @@ def torchrun_job(
     env: dict | None = None,
 ) -> subprocess.CompletedProcess:
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # the module is a harness module: importable from the repository root, not from the wheel
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(REPO), os.environ.get("PYTHONPATH")])
+    )
     full_env.update(env or {})
     cmd = [
         sys.executable,

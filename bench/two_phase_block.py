@@ -12,7 +12,7 @@ a group of S sublayers whose phase 2 merges the group's own earlier outputs.
   on a shared machine wall time swings with other load, and with several threads the CPU
   time would include OpenMP's spin-waiting.
 * ``block_io``: bytes read per sublayer and token, measured by counting the inputs of every
-  aten op the path executes (:class:`attnres_dist.bench.io_counter.OpBytesCounter`), in
+  aten op the path executes (:class:`bench.io_counter.OpBytesCounter`), in
   units of ``d`` (one token's hidden vector, float32), next to the paper's Table 1.
 """
 
@@ -23,9 +23,9 @@ import time
 
 import torch
 
-from attnres_dist.bench.io_counter import OpBytesCounter
 from attnres_dist.ops import get_depth_attention
 from attnres_dist.ops.cpu_two_phase import requirement as cpu_kernel_requirement
+from bench.io_counter import OpBytesCounter
 
 
 def _inputs(n: int, size: int, tokens: int, dim: int, seed: int, extra: int = 1):

@@ -35,8 +35,8 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from attnres_dist.bench import speed_floor
-from attnres_dist.gpu_check import speed_report
+from bench import speed_floor
+from gpu_check import speed_report
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ def _launches(step, i: int) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from attnres_dist.gpu_check.step_profile import LAUNCH_CALLS
+    from gpu_check.step_profile import LAUNCH_CALLS
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step(i)
@@ -206,12 +206,13 @@ def _model_config(shape: Shape):
 
 def _trainer(work: Path, shape: Shape, mb: int, mode: str, path: str, dry: bool, steps: int):
     from attnres_dist.config import load_config
-    from attnres_dist.gpu_check.train_steps import QUIET, SHAPE_125M, _dtype
     from attnres_dist.train.trainer import Trainer
+    from gpu_check.common import dtype_override
+    from gpu_check.train_steps import QUIET, SHAPE_125M
 
     overrides = [*SHAPE_125M, *shape.overrides(), f"model.attnres.mode={mode}"]
     overrides += [f"train.micro_batch_size={mb}", f"train.global_batch_size={mb}"]
-    overrides += [f"train.steps={steps}", "runtime.layer_spec=local", _dtype(dry), *QUIET]
+    overrides += [f"train.steps={steps}", "runtime.layer_spec=local", dtype_override(dry), *QUIET]
     overrides += [*PATHS[path], f"output.run_dir={work / f'speed-{mb}-{mode}-{path}'}"]
     if dry and path == "compiled":  # traced and differentiated, no code generated: seconds
         overrides.append("runtime.compile_backend=aot_eager")
@@ -247,7 +248,7 @@ def plain_row(shape: Shape, mb: int, vocab: int, dry: bool) -> dict:
     """The anchor: PlainGPT compiled whole, bf16 autocast over fp32 weights, fused AdamW."""
     import torch
 
-    from attnres_dist.bench.plain_gpt import PlainGPT
+    from bench.plain_gpt import PlainGPT
 
     cuda = _cuda(dry)
     device = "cuda" if cuda else "cpu"
@@ -276,8 +277,8 @@ def decode_rows(work: Path, shape: Shape, dry: bool) -> dict:
     """Greedy decoding of the exported Hugging Face model (its KV cache), baseline and Block,
     each trained one step at ``shape`` (micro-batch 1) and exported."""
     from attnres_dist.export import export_checkpoint, exported_tokenizer, load_for_generation
-    from attnres_dist.gpu_check.train_steps import QUIET, SHAPE_125M, _dtype, _timed_generation
-    from attnres_dist.gpu_check.train_steps import _train as train
+    from gpu_check.common import dtype_override
+    from gpu_check.train_steps import QUIET, SHAPE_125M, timed_generation, train
 
     device = "cuda" if _cuda(dry) else "cpu"
     new = 256 if device == "cuda" else 8
@@ -288,11 +289,11 @@ def decode_rows(work: Path, shape: Shape, dry: bool) -> dict:
         overrides += ["train.micro_batch_size=1", "train.global_batch_size=1", "train.steps=1"]
         overrides += ["optim.warmup_steps=0"]
         overrides += ["train.eval_batches=1", "checkpoint.every=0", "runtime.layer_spec=local"]
-        overrides += [_dtype(dry), *QUIET, f"output.run_dir={run_dir}"]
+        overrides += [dtype_override(dry), *QUIET, f"output.run_dir={run_dir}"]
         train("configs/gpt-125m.yaml", overrides)
         export = export_checkpoint(run_dir, work / f"export-{mode}", warn=print)
         hf, info = load_for_generation(export, device)
-        timing = _timed_generation(hf, exported_tokenizer(export, info), shape.seq, new)
+        timing = timed_generation(hf, exported_tokenizer(export, info), shape.seq, new)
         out[mode] = timing | {"device": device}
         del hf
     return out
@@ -302,11 +303,10 @@ def speed(name: str, work: Path, dry: bool) -> dict:
     """Step ``name`` (``speed_125m`` or ``speed_1b``): ceilings, floors, then ``plan``'s rows
     until the step's time runs out; the result is saved after every row. A row that raises is
     recorded with its error and the rest still run; the step then fails, naming them."""
-    from attnres_dist.gpu_check.steps import _step_limit_s, save_result
-    from attnres_dist.gpu_check.train_steps import _peak_gib, _reset_peak
+    from gpu_check.common import peak_gib, reset_peak, save_result, step_limit_s
 
     shape = DRY[name] if dry else SHAPES[name]
-    deadline = time.monotonic() + _step_limit_s(300) - 20
+    deadline = time.monotonic() + step_limit_s(300) - 20
     cuda = _cuda(dry)
     result = {"step": name, "shape": shape.__dict__, "dtype": "bf16" if cuda else "fp32 (dry run)"}
     result["ceilings"] = ceilings(cuda)
@@ -317,7 +317,7 @@ def speed(name: str, work: Path, dry: bool) -> dict:
         if time.monotonic() > deadline:
             result["rows"].append(row | {"skipped": "the step's time limit"})
             continue
-        _reset_peak()
+        reset_peak()
         start = time.monotonic()
         try:
             if kind == "model":
@@ -332,7 +332,7 @@ def speed(name: str, work: Path, dry: bool) -> dict:
         except Exception as exc:  # recorded, its traceback in the log; the step fails at the end
             traceback.print_exc()
             row["error"] = f"{type(exc).__name__}: {exc}"[:400]
-        row |= {"wall_s": round(time.monotonic() - start, 1), "peak_gib": _peak_gib()}
+        row |= {"wall_s": round(time.monotonic() - start, 1), "peak_gib": peak_gib()}
         result["rows"].append(row)
         if vocab is not None:
             result["floors"] = floors(shape, vocab, result["ceilings"])

@@ -14,7 +14,7 @@ inputs, and the largest output difference from ``reference`` on the same inputs.
 ``dry_run=True`` (or on a machine without CUDA) the same code runs on the CPU at tiny shapes,
 Triton kernels through its interpreter, so CI can smoke it; its times mean nothing.
 
-Usage: ``python -m attnres_dist.bench.kernel_bench --out DIR [--dry-run]``
+Usage: ``python -m bench.kernel_bench --out DIR [--dry-run]``
 """
 
 from __future__ import annotations

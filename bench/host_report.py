@@ -4,12 +4,12 @@ The variants' names are ``<mode>_<tag>`` (``COMPILES``: eager, per layer, per ch
 ``plain_<eager|compiled|whole>``; ``ratios`` pairs each mode with its baseline and the baseline
 with the plain GPT, ``floors`` checks the floors of issue 36 on the path ``auto`` takes on a
 GPU (ours per chunk) from the samples of the floors' own interleaved run, and ``markdown``
-writes the summary's section (``attnres_dist.bench.run``).
+writes the summary's section (``bench.run``).
 """
 
 from __future__ import annotations
 
-from attnres_dist.bench.paired import paired_interval, paired_ratio
+from bench.paired import paired_interval, paired_ratio
 
 # variant tag -> runtime.compile: eager, one graph per layer, one graph per chunk
 COMPILES = {"eager": "off", "compiled": "layer", "chunk": "chunk"}
@@ -77,7 +77,7 @@ def _cell(r: dict) -> str:
 
 
 def markdown(result: dict) -> list[str]:
-    """The summary's section (``attnres_dist.bench.run``): a table and the floors."""
+    """The summary's section (``bench.run``): a table and the floors."""
     c, v, r = result["config"], result["variants"], result["ratios"]
     lines = [
         "",

@@ -12,7 +12,7 @@ two adjacent jobs' medians, so that a slow spell of the machine, which lasts lon
 cancels), and Block / baseline under each placement (paired within the jobs).
 ``run(out_dir)`` writes ``out_dir/pipeline_binding.json``.
 
-Usage: ``python -m attnres_dist.bench.binding_bench --out DIR``
+Usage: ``python -m bench.binding_bench --out DIR``
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import functools
 import statistics
 from pathlib import Path
 
-from attnres_dist.bench import launch_job as job
-from attnres_dist.bench.paired import median_ratio, paired_ratio
+from bench import launch_job as job
+from bench.paired import median_ratio, paired_ratio
 
 MODELS = ("block", "baseline")
 PLACEMENTS = ("bound", "unbound")
@@ -44,9 +44,7 @@ def run(
         for placement in order:
             args = ["--binding", BINDING[placement], *overrides]
             jobs[placement].append(
-                job.bench_job(
-                    "attnres_dist.bench.binding_bench", out_dir, config, reps, warmup, args
-                )
+                job.bench_job("bench.binding_bench", out_dir, config, reps, warmup, args)
             )
     samples = {  # variant: every job's step times, and each job's median
         f"{m}_{p}": [raw["steps"][m] for raw in jobs[p]] for m in MODELS for p in PLACEMENTS
@@ -84,7 +82,7 @@ def format_table(result: dict) -> str:
 
 
 def markdown_rows(result: dict) -> list[str]:
-    """The summary's rows (``attnres_dist.bench.run``)."""
+    """The summary's rows (``bench.run``)."""
     r, v = result["ratios"], result["variants"]
     ms = {name: x["step_s"]["median"] * 1e3 for name, x in v.items()}
     share = result["config"]["cores"]

@@ -129,11 +129,11 @@ def step_profile(work: Path, dry: bool) -> dict:
     more under the sync debug mode. Rows are saved as they finish; stops at the step's limit."""
     from torch.profiler import ProfilerActivity, profile
 
-    from attnres_dist.gpu_check.steps import _step_limit_s, save_result
-    from attnres_dist.gpu_check.train_steps import _gpu, _shape, _step_seconds, _trainer_125m
+    from gpu_check.common import on_gpu, save_result, step_limit_s
+    from gpu_check.train_steps import shape_label, step_seconds, trainer_125m
 
-    deadline = time.monotonic() + _step_limit_s(240) - 30
-    cuda = _gpu(dry)
+    deadline = time.monotonic() + step_limit_s(240) - 30
+    cuda = on_gpu(dry)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     warmup, reps, profiled = (3, 5, 2) if cuda else (1, 2, 1)
     rows = []
@@ -145,11 +145,11 @@ def step_profile(work: Path, dry: bool) -> dict:
         try:
             run_name = f"profile-{mode}-{impl}"
             steps = warmup + reps + profiled + 1
-            trainer = _trainer_125m(work, dry, run_name, steps, *extra)
+            trainer = trainer_125m(work, dry, run_name, steps, *extra)
         except Exception as exc:  # an implementation this machine cannot run
             rows.append({"mode": mode, "impl": impl, "skipped": f"{exc}"[:200]})
             continue
-        times = _step_seconds(trainer, warmup, reps)
+        times = step_seconds(trainer, warmup, reps)
         first = warmup + reps
         with profile(activities=activities) as prof:
             start = time.perf_counter()
@@ -164,6 +164,8 @@ def step_profile(work: Path, dry: bool) -> dict:
             row["sync"] = _guarded(_sync_sites, trainer.engine, batch)
         print("profile", json.dumps(row), flush=True)
         rows.append(row)
-        save_result({"shape": _shape(dry), "runs": rows, "cut": "stopped at the step's time limit"})
+        save_result(
+            {"shape": shape_label(dry), "runs": rows, "cut": "stopped at the step's time limit"}
+        )
         del trainer, prof
-    return {"shape": _shape(dry), "runs": rows}
+    return {"shape": shape_label(dry), "runs": rows}

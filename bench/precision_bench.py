@@ -17,7 +17,7 @@ memory ZeRO-1 changes; bf16 also halves activations and payloads, which this doe
 On a GPU, the CUDA allocator's peak during each variant's steps is reported too.
 ``run(out_dir)`` writes ``out_dir/precision.json``.
 
-Usage: ``python -m attnres_dist.bench.precision_bench --out DIR [--reps N]``
+Usage: ``python -m bench.precision_bench --out DIR [--reps N]``
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from attnres_dist.bench import launch_job as job
+from bench import launch_job as job
 
 VARIANTS = {
     "fp32": ("runtime.dtype=fp32", "parallel.zero_stage=0"),
@@ -42,9 +42,7 @@ def run(
     warmup: int = 2,
 ) -> dict:
     """Launch the benchmark job, write ``out_dir/precision.json`` and return its content."""
-    raw = job.bench_job(
-        "attnres_dist.bench.precision_bench", out_dir, config, reps, warmup, overrides
-    )
+    raw = job.bench_job("bench.precision_bench", out_dir, config, reps, warmup, overrides)
     v = raw["variants"]
     step = {name: x["step_s"]["median"] for name, x in v.items()}
     state = {name: max(x["state_bytes_per_rank"]) for name, x in v.items()}

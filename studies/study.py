@@ -1,6 +1,6 @@
 """The study behind ``make study``: baseline vs Block vs Full AttnRes, several seeds each.
 
-    python -m attnres_dist.diagnostics.study [--config configs/study-cpu.yaml] [--quick]
+    python -m studies.study [--config configs/study-cpu.yaml] [--quick]
 
 Every variant trains the same config (same layers, tokens, data order and hyper-parameters;
 AttnRes only adds its per-sublayer query and key gain) with ``model.attnres.mode`` set to
@@ -34,12 +34,13 @@ from pathlib import Path
 
 import torch
 
-from attnres_dist.diagnostics import lr_sweep, plots, report
+from attnres_dist.diagnostics import plots, report
 from attnres_dist.diagnostics import runs as R
 from attnres_dist.diagnostics.reading import reading
+from studies import lr_sweep
 
 VARIANTS = ("baseline", "block", "full")
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 QUICK = [
     "train.steps=20",
     "optim.warmup_steps=5",

@@ -16,7 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from gpu_check.common import dtype_override, on_gpu, peak_gib, reset_peak
+
+REPO = Path(__file__).resolve().parents[1]
 QUIET = ["output.tensorboard=false", "train.progress=false", "train.eval_every=0"]
 SHAPE_125M = [
     "data.path=null",
@@ -39,40 +41,11 @@ DRY_125M = [  # a dry run keeps the code path, not the size
 ]
 
 
-def _gpu(dry: bool) -> bool:
-    import torch
-
-    return torch.cuda.is_available() and not dry
-
-
-def _dtype(dry: bool) -> str:
-    return "runtime.dtype=bf16" if _gpu(dry) else "runtime.dtype=fp32"
-
-
-def _peak_gib() -> float | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    return round(torch.cuda.max_memory_allocated() / 2**30, 2)
-
-
-def _reset_peak() -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def _train(config: str, overrides: list[str]) -> dict:
+def train(config: str, overrides: list[str]) -> dict:
     from attnres_dist.config import load_config
     from attnres_dist.train.trainer import Trainer
 
-    _reset_peak()
+    reset_peak()
     trainer = Trainer(load_config(config, overrides))
     summary = trainer.train()
     losses = summary["train_losses"]
@@ -87,14 +60,14 @@ def _train(config: str, overrides: list[str]) -> dict:
         "valid_loss": round(summary["final_valid_loss"], 4),
         "tokens_per_s": summary["tokens_per_s"],
         "wall_s": summary["wall_time_s"],
-        "peak_gib": _peak_gib(),
+        "peak_gib": peak_gib(),
     }
 
 
 def _tiny_overrides(work: Path, spec: str, dry: bool) -> list[str]:
-    steps = 30 if _gpu(dry) else 3
+    steps = 30 if on_gpu(dry) else 3
     out = ["parallel.pp=1", f"train.steps={steps}", "train.eval_batches=2", "train.log_every=10"]
-    out += [f"runtime.layer_spec={spec}", _dtype(dry), "checkpoint.every=0", *QUIET]
+    out += [f"runtime.layer_spec={spec}", dtype_override(dry), "checkpoint.every=0", *QUIET]
     out.append("optim.warmup_steps=2")
     out.append(f"output.run_dir={work / f'tiny-{spec}'}")
     if dry:
@@ -105,35 +78,35 @@ def _tiny_overrides(work: Path, spec: str, dry: bool) -> list[str]:
 def train_tiny(work: Path, dry: bool) -> dict:
     from attnres_dist.runtime import probes
 
-    runs = {"local": _train("configs/tiny.yaml", _tiny_overrides(work, "local", dry))}
+    runs = {"local": train("configs/tiny.yaml", _tiny_overrides(work, "local", dry))}
     te = probes.transformer_engine()
-    if te.ok and _gpu(dry):
-        runs["te"] = _train("configs/tiny.yaml", _tiny_overrides(work, "te", dry))
+    if te.ok and on_gpu(dry):
+        runs["te"] = train("configs/tiny.yaml", _tiny_overrides(work, "te", dry))
     else:
         runs["te"] = {"skipped": f"Transformer Engine spec: {te.detail}"}
     return runs
 
 
 def train_125m(work: Path, dry: bool) -> dict:
-    steps = 10 if _gpu(dry) else 2
+    steps = 10 if on_gpu(dry) else 2
     overrides = [*SHAPE_125M, f"train.steps={steps}", "train.eval_batches=1", "train.log_every=5"]
-    overrides += ["runtime.layer_spec=local", _dtype(dry), "checkpoint.every=0", *QUIET]
+    overrides += ["runtime.layer_spec=local", dtype_override(dry), "checkpoint.every=0", *QUIET]
     overrides += [f"output.run_dir={work / '125m'}", *(DRY_125M if dry else [])]
-    return _train("configs/gpt-125m.yaml", overrides)
+    return train("configs/gpt-125m.yaml", overrides)
 
 
-def _trainer_125m(work: Path, dry: bool, run_name: str, steps: int, *extra: str):
+def trainer_125m(work: Path, dry: bool, run_name: str, steps: int, *extra: str):
     """A Trainer at the 125M shape (the dry run's tiny one), local spec, run dir ``run_name``."""
     from attnres_dist.config import load_config
     from attnres_dist.train.trainer import Trainer
 
     overrides = [*SHAPE_125M, *extra, f"train.steps={steps}", "runtime.layer_spec=local"]
-    overrides += [_dtype(dry), *QUIET, f"output.run_dir={work / run_name}"]
+    overrides += [dtype_override(dry), *QUIET, f"output.run_dir={work / run_name}"]
     overrides += DRY_125M if dry else []
     return Trainer(load_config("configs/gpt-125m.yaml", overrides))
 
 
-def _step_seconds(trainer, warmup: int, reps: int) -> list[float]:
+def step_seconds(trainer, warmup: int, reps: int) -> list[float]:
     """Wall time of each of ``reps`` optimizer steps after ``warmup`` untimed ones."""
     import torch
 
@@ -149,30 +122,30 @@ def _step_seconds(trainer, warmup: int, reps: int) -> list[float]:
     return times
 
 
-def _shape(dry: bool) -> str:
+def shape_label(dry: bool) -> str:
     return "12 x 768, seq 1024, batch 8" if not dry else "dry-run shape"
 
 
 def step_time(work: Path, dry: bool) -> dict:
     """Median optimizer-step time of baseline, Block (S = 3) and Full AttnRes at one shape."""
-    warmup, reps = (3, 8) if _gpu(dry) else (1, 2)
+    warmup, reps = (3, 8) if on_gpu(dry) else (1, 2)
     rows = {}
     for mode in ("baseline", "block", "full"):
-        _reset_peak()
+        reset_peak()
         mode_arg = f"model.attnres.mode={mode}"
-        trainer = _trainer_125m(work, dry, f"step-time-{mode}", warmup + reps, mode_arg)
-        times = _step_seconds(trainer, warmup, reps)
+        trainer = trainer_125m(work, dry, f"step-time-{mode}", warmup + reps, mode_arg)
+        times = step_seconds(trainer, warmup, reps)
         rows[mode] = {
             "model": trainer.builder.plan.describe(),
             "step_ms": round(1e3 * statistics.median(times), 2),
             "samples_ms": [round(1e3 * t, 2) for t in times],
-            "peak_gib": _peak_gib(),
+            "peak_gib": peak_gib(),
         }
         del trainer
     base = rows["baseline"]["step_ms"]
     for row in rows.values():
         row["vs_baseline"] = round(row["step_ms"] / base, 3)
-    return {"shape": _shape(dry), **rows}
+    return {"shape": shape_label(dry), **rows}
 
 
 def _generate_cli(export: Path, device: str) -> dict:
@@ -185,7 +158,7 @@ def _generate_cli(export: Path, device: str) -> dict:
     return {"device": device, "wall_s": round(time.perf_counter() - start, 2), "text": proc.stdout}
 
 
-def _timed_generation(model, tokenizer, seq: int, new: int, **kwargs) -> dict:
+def timed_generation(model, tokenizer, seq: int, new: int, **kwargs) -> dict:
     import torch
 
     from attnres_dist.export import generate as sample
@@ -212,17 +185,17 @@ def generate(work: Path, dry: bool) -> dict:
 
     run_dir = work / "tiny-local"
     if not (run_dir / "checkpoints").is_dir():
-        _train("configs/tiny.yaml", _tiny_overrides(work, "local", dry))
+        train("configs/tiny.yaml", _tiny_overrides(work, "local", dry))
     export = export_checkpoint(run_dir, work / "export", warn=print)
-    device = "cuda" if _gpu(dry) else "cpu"
+    device = "cuda" if on_gpu(dry) else "cpu"
     new = 64 if device == "cuda" else 16
     hf, info = load_for_generation(export, device)
     tokenizer = exported_tokenizer(export, info)
     seq = int(info["model"]["seq_length"])
     result = {"device": device, "layer_spec": info.get("layer_spec")}
-    result["kv_cache"] = _timed_generation(hf, tokenizer, seq, new)
+    result["kv_cache"] = timed_generation(hf, tokenizer, seq, new)
     native, _ = load_exported(export, device)
-    result["recompute"] = _timed_generation(native, tokenizer, seq, new)
+    result["recompute"] = timed_generation(native, tokenizer, seq, new)
     result["cli"] = [_generate_cli(export, device)]
     if device == "cuda":  # the CLI's model on the CPU of a process that sees the GPU
         result["cli"].append(_generate_cli(export, "cpu"))

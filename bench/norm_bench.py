@@ -11,7 +11,7 @@ merge + norm pair is timed the same way (forward + backward, gradients of all si
 Skipped, with the reason, where the C kernels cannot be built.
 
 ``run(out_dir)`` writes ``out_dir/norm.json`` and returns it.
-Usage: ``python -m attnres_dist.bench.norm_bench --out DIR``
+Usage: ``python -m bench.norm_bench --out DIR``
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from attnres_dist.bench.model_bench import THREADS, threads
+from bench.model_bench import THREADS, threads
 
 DIMS = (64, 128)
 
@@ -120,7 +120,7 @@ def run(out_dir: str | Path, tokens: int = 2048, reps: int = 51, warmup: int = 5
 
 
 def markdown_rows(result: dict) -> list[str]:
-    """Summary rows (``attnres_dist.bench.run``)."""
+    """Summary rows (``bench.run``)."""
     if "skipped" in result:
         return [f"| RMSNorm time, C kernel / torch | skipped | {result['skipped']} |"]
     c = result["config"]

@@ -48,7 +48,7 @@ compare on the path ``auto`` takes on a GPU (ours per chunk, the plain GPT whole
 block) interleaved among themselves, a repetition a few tenths of a second.
 
 ``run(out_dir)`` writes ``out_dir/host.json`` and returns it.
-Usage: ``python -m attnres_dist.bench.host_bench --out DIR [--backend inductor] [--reps N]``
+Usage: ``python -m bench.host_bench --out DIR [--backend inductor] [--reps N]``
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ from pathlib import Path
 import torch
 import torch._dynamo
 
-from attnres_dist.bench.compile_bench import top_level_aten_calls
-from attnres_dist.bench.host_reads import reads_per_step
-from attnres_dist.bench.host_report import (
+from bench.compile_bench import top_level_aten_calls
+from bench.host_reads import reads_per_step
+from bench.host_report import (
     COMPILES,
     FLOOR_VARIANTS,
     floors,
@@ -72,7 +72,7 @@ from attnres_dist.bench.host_report import (
     ratio_of,
     ratios,
 )
-from attnres_dist.bench.launch_job import REPO
+from bench.launch_job import REPO
 
 CONFIG = REPO / "configs" / "tiny.yaml"
 VOCAB = 257
@@ -136,8 +136,8 @@ def engine_step(
 def plain_step(compile: str, backend: str, shape: tuple[str, ...]):
     """The plain GPT's ordinary torch training step (module docstring); ``compile``: ``off``,
     ``block`` (each block one graph) or ``whole`` (the loss one graph)."""
-    from attnres_dist.bench.plain_gpt import PlainGPT
     from attnres_dist.optim import param_groups
+    from bench.plain_gpt import PlainGPT
 
     cfg = _config("baseline", "off", shape)
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """What each step of the GPU check does; run one per process by ``gpu_check.run``.
 
-    python -m attnres_dist.gpu_check.steps NAME --work DIR --result FILE [--dry-run]
+    python -m gpu_check.steps NAME --work DIR --result FILE [--dry-run]
 
 Each step returns a JSON-able dict written to FILE; ``{"skipped": reason}`` says it could not
 run here (CUDA missing in a dry run, an optional package absent). An exception fails the step
@@ -24,9 +24,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from attnres_dist.gpu_check.run import run_group
+from gpu_check.common import save_result, step_limit_s
+from gpu_check.run import run_group
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 PACKAGES = (
     "torch",
     "triton",
@@ -95,19 +96,6 @@ def machine(work: Path, dry: bool) -> dict:
 TEST_ORDER = ("test_triton_two_phase.py", "test_cuda.py", "test_export.py")
 
 
-def _step_limit_s(default: float) -> float:
-    """What the driver gives this step (``GPU_CHECK_STEP_S``), else ``default``."""
-    return float(os.environ.get("GPU_CHECK_STEP_S", default))
-
-
-def save_result(result: dict) -> None:
-    """Write a step's result, also one so far: a step cut at its time limit then still reports
-    what it measured (the driver reads the file whether or not the step finished)."""
-    path = os.environ.get("GPU_CHECK_RESULT")
-    if path:
-        Path(path).write_text(json.dumps(result, indent=2, default=str) + "\n")
-
-
 def cuda_tests(work: Path, dry: bool) -> dict:
     """``pytest -m cuda`` over the test files that have such tests (on a CPU every one of them
     is skipped with its reason; ``GPU_CHECK_PYTEST_K`` narrows it with ``-k``). A failure's
@@ -120,10 +108,10 @@ def cuda_tests(work: Path, dry: bool) -> dict:
     ]
     files.sort(key=lambda f: (TEST_ORDER + (Path(f).name,)).index(Path(f).name))
     cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "cuda", "-rs"]
-    cmd += ["-p", "attnres_dist.gpu_check.pytest_now", "--tb=short", "--durations=10", *files]
+    cmd += ["-p", "gpu_check.pytest_now", "--tb=short", "--durations=10", *files]
     if os.environ.get("GPU_CHECK_PYTEST_K"):  # a rerun of chosen tests only
         cmd += ["-k", os.environ["GPU_CHECK_PYTEST_K"]]
-    rc, out = run_group(cmd, max(_step_limit_s(600) - 15, 10))
+    rc, out = run_group(cmd, max(step_limit_s(600) - 15, 10))
     timed_out = rc is None
     print(out, flush=True)  # every test's outcome into the check's log
     lines = out.strip().splitlines()
@@ -202,10 +190,10 @@ def _depth_attention_timing(dry: bool, deadline: float) -> list[dict]:
 def depth_attention(work: Path, dry: bool) -> dict:
     """``bench.kernel_bench.run`` when it exists, and each registered implementation timed."""
     result = {}
-    limit_s = _step_limit_s(150)
+    limit_s = step_limit_s(150)
     deadline = time.monotonic() + limit_s - 20  # the registry's timing stops here
     try:
-        from attnres_dist.bench import kernel_bench
+        from bench import kernel_bench
     except ImportError as exc:
         result["kernel_bench"] = f"not available ({exc})"
     else:
@@ -227,7 +215,7 @@ def depth_attention(work: Path, dry: bool) -> dict:
 
 
 def _steps():
-    from attnres_dist.gpu_check import speed_step, step_profile, study_step, train_steps
+    from gpu_check import speed_step, step_profile, study_step, train_steps
 
     return {
         "machine": machine,

@@ -9,7 +9,7 @@ A step of the GPU check (``--only study``), run after the install steps. On the 
 3. the plan: the most steps that let every run finish in the step's time limit, equal for
    every variant (equal tokens, the same data order); two peak learning rates when each run
    still gets ``MIN_STEPS`` steps, else one;
-4. the runs: ``diagnostics/study.py``'s driver (one seed; instrumentation every 50 steps), which
+4. the runs: ``studies/study.py``'s driver (one seed; instrumentation every 50 steps), which
    also writes ``results-gpu.md`` with its figures and reading;
 5. what comes back: ``study.tar.gz`` in the check's output directory (the results, their
    figures and each run's config, metrics, depth statistics and summary), and in
@@ -59,7 +59,7 @@ def _records(run_dir: Path, kind: str) -> list[dict]:
 
 def calibrate(common: list[str], work: Path) -> tuple[float, float]:
     """(start-up seconds, seconds per step) of the slowest variant on this machine."""
-    from attnres_dist.diagnostics import study
+    from studies import study
 
     run_dir = work / "calibration"
     args = study.parse_args(["--config", CONFIG, "--out", str(work), *common])
@@ -124,10 +124,10 @@ def archive(out: Path, work: Path, run_dirs: list[Path]) -> Path:
 
 def study_runs(work: Path, dry: bool) -> dict:
     from attnres_dist.data.code_corpus import build_code_corpus
-    from attnres_dist.diagnostics import study
-    from attnres_dist.gpu_check.steps import _step_limit_s, save_result
+    from gpu_check.common import save_result, step_limit_s
+    from studies import study
 
-    deadline = time.monotonic() + _step_limit_s(540)
+    deadline = time.monotonic() + step_limit_s(540)
     result: dict = {"config": CONFIG}
     start = time.perf_counter()
     prefix = str(work / "code" / "corpus")

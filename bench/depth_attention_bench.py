@@ -4,18 +4,18 @@ Owns the depth-attention benchmark:
 
 * forward+backward wall time of ``lean`` and ``reference`` measured side by side
   (interleaved, alternating order, median of several repetitions) and the bytes each saves
-  for backward, counted with :class:`attnres_dist.bench.saved_bytes.SavedTensorCounter` both
+  for backward, counted with :class:`bench.saved_bytes.SavedTensorCounter` both
   in total and excluding the op's own inputs;
 * one Block AttnRes block of ``S`` sublayers over ``n`` completed blocks (``two_phase``):
   the two-phase path (phase 1 for the S queries, phase 2 merging the partial block per
   sublayer) against the one-pass ops called per sublayer, forward + backward, and the bytes
-  read per sublayer measured with :class:`attnres_dist.bench.io_counter.OpBytesCounter`
+  read per sublayer measured with :class:`bench.io_counter.OpBytesCounter`
   (the inputs of every aten op, in units of ``d`` = one token's hidden vector in float32),
   next to the paper's Table 1.
 
 ``run(out_dir)`` writes ``out_dir/depth_attention.json`` and returns the same dict.
 
-Usage: ``python -m attnres_dist.bench.depth_attention_bench --out DIR``
+Usage: ``python -m bench.depth_attention_bench --out DIR``
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from attnres_dist.bench.saved_bytes import SavedTensorCounter
-from attnres_dist.bench.two_phase_block import block_io, block_timings
 from attnres_dist.ops import get_depth_attention
+from bench.saved_bytes import SavedTensorCounter
+from bench.two_phase_block import block_io, block_timings
 
 IMPLS = ("lean", "reference")
 TARGET_EXTRA_BYTES_RATIO = 0.25

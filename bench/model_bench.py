@@ -4,7 +4,7 @@ Megatron-layer model costs over a plain-PyTorch GPT.
 Every number is a training step (forward + backward + AdamW) on one ``[batch, seq + 1]`` token
 window, timed with every variant of a group interleaved (the order rotates each repetition)
 and reported as the median; the machine is shared, so the ratios are the result, each the
-median of the per-repetition ratios (``attnres_dist.bench.paired``; ``ratio_intervals``: its
+median of the per-repetition ratios (``bench.paired``; ``ratio_intervals``: its
 95% sign-test interval; ``ratios_of_medians`` beside them). Each step is
 timed twice: wall clock (``ratios``) and the process's CPU time (``ratios_cpu``: all its
 threads; less sensitive to waiting for a core on a loaded machine). One more step per variant
@@ -27,10 +27,10 @@ without metadata-only ops), the per-op overhead a CPU step pays.
   beside its extra time at full size (paired medians of the per-repetition differences).
 * ``throughput``: tokens/s of ``make train-single``'s model (``configs/tiny.yaml``) on either
   path and of its baseline-residual twin, against ``PlainGPT`` of the same shape
-  (``attnres_dist.bench.plain_gpt``), in the same process and threads.
+  (``bench.plain_gpt``), in the same process and threads.
 
 ``run(out_dir)`` writes ``out_dir/model.json`` and returns it.
-Usage: ``python -m attnres_dist.bench.model_bench --out DIR [--quick]``
+Usage: ``python -m bench.model_bench --out DIR [--quick]``
 """
 
 from __future__ import annotations
@@ -44,15 +44,15 @@ from pathlib import Path
 
 import torch
 
-from attnres_dist.bench.launch_job import REPO
-from attnres_dist.bench.paired import (
+from attnres_dist.ops.cpu_library import kernel_clock
+from attnres_dist.optim import fused_adamw_supported, param_groups
+from bench.launch_job import REPO
+from bench.paired import (
     median_ratio,
     paired_difference,
     paired_interval,
     paired_ratio,
 )
-from attnres_dist.ops.cpu_library import kernel_clock
-from attnres_dist.optim import fused_adamw_supported, param_groups
 
 CONFIG = REPO / "configs" / "tiny.yaml"
 VOCAB = 257  # the byte tokenizer's
@@ -122,7 +122,7 @@ class Case:
 
     def aten_calls(self) -> dict:
         """aten calls of one training step (forward, backward and optimizer)."""
-        from attnres_dist.bench.io_counter import OpBytesCounter
+        from bench.io_counter import OpBytesCounter
 
         with OpBytesCounter() as counter:
             self.step()
@@ -147,9 +147,9 @@ def build_case(overrides: list[str], window: torch.Tensor, config=CONFIG) -> Cas
 
 
 def build_plain(overrides: list[str], window: torch.Tensor, config=CONFIG) -> Case:
-    from attnres_dist.bench.plain_gpt import PlainGPT
     from attnres_dist.config import load_config
     from attnres_dist.model.megatron_config import padded_vocab_size
+    from bench.plain_gpt import PlainGPT
 
     cfg = load_config(config, overrides)
     vocab = padded_vocab_size(VOCAB, cfg.model.make_vocab_size_divisible_by, 1)
@@ -275,7 +275,7 @@ def fixed_cost_group(
 
 def _step_ratios(times: dict[str, list[float]], estimate=paired_ratio) -> dict:
     """AttnRes / baseline per path and new / old per mode (``estimate``: paired by default,
-    or any of ``attnres_dist.bench.paired``'s estimates, such as its interval)."""
+    or any of ``bench.paired``'s estimates, such as its interval)."""
     ratios = {}
     for path in ("old", "new"):
         for mode in ("block", "full"):

@@ -1,6 +1,6 @@
 """What the instrumentation costs: measured and plain steps interleaved, per variant.
 
-    python -m attnres_dist.diagnostics.overhead [--config configs/study-cpu.yaml] [--steps 41]
+    python -m studies.overhead [--config configs/study-cpu.yaml] [--steps 41]
 
 Trains each variant for ``--steps`` steps in this process with ``metrics.every_k = 2``, so
 measured and plain steps alternate and drifting machine load hits both alike, and prints the

@@ -1,6 +1,6 @@
 """The GPU check's driver: install like docker/Dockerfile, run each step time-boxed, write gpu.md.
 
-    python3 -m attnres_dist.gpu_check.run --out DIR [--wheels .whl] [--budget-s 480] [--dry-run]
+    python3 -m gpu_check.run --out DIR [--wheels .whl] [--budget-s 480] [--dry-run]
 
 Standard library only (it runs before the project's requirements are installed). Install
 steps, as in the Dockerfile: a virtualenv over the base environment's site-packages, the list
@@ -8,7 +8,7 @@ steps, as in the Dockerfile: a virtualenv over the base environment's site-packa
 with ``--no-deps``, ``docker/check_base.py``, ``check-config``. The base Python may itself be a
 virtualenv (the GPU machine's is), whose packages ``--system-site-packages`` would not see: a
 ``.pth`` file adds its site-packages after the new venv's own, which is what that option means
-for a system Python. Every later step runs ``python -m attnres_dist.gpu_check.steps NAME`` with
+for a system Python. Every later step runs ``python -m gpu_check.steps NAME`` with
 the venv's Python, in its own process group (a crash or a CUDA error ends one step only; a
 timeout kills what the step started), under a time limit cut to what is left of the budget and
 passed to it as ``GPU_CHECK_STEP_S``. The timed steps run alone; then the CUDA tests run beside
@@ -34,9 +34,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from attnres_dist.gpu_check import report
+from gpu_check import report
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -229,7 +229,7 @@ def _run_step(step: Step, py: Path, work: Path, dry: bool, log, left) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
     env["GPU_CHECK_STEP_S"] = f"{timeout:.0f}"
     result_file = work / f"{step.name}.json"
-    cmd = [py, "-m", "attnres_dist.gpu_check.steps", step.name, "--work", work]
+    cmd = [py, "-m", "gpu_check.steps", step.name, "--work", work]
     cmd += ["--result", result_file, *(["--dry-run"] if dry else [])]
     start = time.monotonic()
     status, rc, tail = _run(cmd, log, timeout, env=env)

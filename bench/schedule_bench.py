@@ -15,7 +15,7 @@ each step after a barrier, so that machine noise hits all of them alike. Per sch
 
 ``run(out_dir)`` writes ``out_dir/schedules.json``.
 
-Usage: ``python -m attnres_dist.bench.schedule_bench --out DIR [--reps N] [overrides...]``
+Usage: ``python -m bench.schedule_bench --out DIR [--reps N] [overrides...]``
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import contextlib
 import functools
 from pathlib import Path
 
-from attnres_dist.bench import launch_job as job
+from bench import launch_job as job
 
 SCHEDULES = {  # name: overrides
     "1f1b": ("parallel.schedule=1f1b",),
@@ -41,9 +41,7 @@ def run(
     warmup: int = 2,
 ) -> dict:
     """Launch the job, write ``out_dir/schedules.json`` and return its content."""
-    raw = job.bench_job(
-        "attnres_dist.bench.schedule_bench", out_dir, config, reps, warmup, overrides
-    )
+    raw = job.bench_job("bench.schedule_bench", out_dir, config, reps, warmup, overrides)
     base = raw["schedules"]["1f1b"]["step_s"]["median"]
     raw["ratios"] = {
         f"step_time_{name}_over_1f1b": v["step_s"]["median"] / base

@@ -19,7 +19,7 @@ the model and generation benchmarks open a one-process group. Each writes its ow
 ``DIR``. The summary lists each ratio with what it compares, and the
 per-boundary bytes predicted by the activation contract next to the bytes measured on the wire.
 
-Usage: ``python -m attnres_dist.bench.run --out DIR [--quick]``
+Usage: ``python -m bench.run --out DIR [--quick]``
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from attnres_dist.bench import (
+from bench import (
     binding_bench,
     compile_bench,
     depth_attention_bench,
@@ -38,7 +38,7 @@ from attnres_dist.bench import (
     pipeline_bench,
     precision_bench,
 )
-from attnres_dist.bench.extra_time import fixed_cost_rows, kernel_rows, pipeline_kernel_rows
+from bench.extra_time import fixed_cost_rows, kernel_rows, pipeline_kernel_rows
 
 
 def _stage_ms(variants: dict, name: str, stage: int, kind: str = "backward") -> str:
@@ -260,7 +260,7 @@ def summary_markdown(
         "side by side in one run; the machine is shared, so ratios matter more than absolute "
         "times. The step-time ratios of the model and pipeline benches are paired: the median "
         "over repetitions of the two steps' ratio within one repetition "
-        "(`attnres_dist/bench/paired.py`); `ratios_of_medians` in their JSON has the ratio of "
+        "(`bench/paired.py`); `ratios_of_medians` in their JSON has the ratio of "
         "the medians beside it.",
         "",
         "| ratio | value | compares |",

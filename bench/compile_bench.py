@@ -17,7 +17,7 @@ torch two-phase depth attention, torch's RMSNorm, SDPA), in one process:
   eager and compiled: what fusing the region takes off the dispatcher.
 
 ``run(out_dir)`` writes ``out_dir/compile.json`` and returns it.
-Usage: ``python -m attnres_dist.bench.compile_bench --out DIR [--backend aot_eager]``
+Usage: ``python -m bench.compile_bench --out DIR [--backend aot_eager]``
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from attnres_dist.bench.launch_job import REPO
+from bench.launch_job import REPO
 
 CONFIG = REPO / "configs" / "tiny.yaml"
 VOCAB = 257
@@ -162,7 +162,7 @@ def run(
 
 
 def markdown_rows(result: dict) -> list[str]:
-    """Summary rows (``attnres_dist.bench.run``)."""
+    """Summary rows (``bench.run``)."""
     c = result["config"]
     where = f"{c['backend']}, {c['batch']} x {c['seq']} tokens"
     rows = []

@@ -14,7 +14,7 @@ and starting each step after a barrier, so that machine noise hits all of them a
   ``model_bench.path_overrides``), where the others take the new one (the defaults).
 
 After the timed steps, one more step per variant measures each stage's peak tensor memory
-(``attnres_dist.bench.peak_memory``).
+(``bench.peak_memory``).
 
 A step's time is the slowest rank's. Schedule timers (``attnres_dist.profile.schedule``) also
 give each stage's forward and backward time per micro-batch: a tuple payload's extra backward
@@ -23,7 +23,7 @@ the bottleneck. The wire tap (``attnres_dist.profile.wire``) records every
 tensor DeepSpeed's p2p layer sends or receives; per boundary and direction the bytes per
 micro-batch must EQUAL ``boundary_specs``. ``run(out_dir)`` writes ``out_dir/pipeline.json``.
 
-Usage: ``python -m attnres_dist.bench.pipeline_bench --out DIR``
+Usage: ``python -m bench.pipeline_bench --out DIR``
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import functools
 import statistics
 from pathlib import Path
 
-from attnres_dist.bench import launch_job as job
-from attnres_dist.bench.paired import median_ratio, paired_interval, paired_ratio
+from bench import launch_job as job
+from bench.paired import median_ratio, paired_interval, paired_ratio
 
 # Repetitions: the per-repetition ratio of Block to baseline varies by 5-10% on a shared
 # 2-core host (two ranks, one thread each), and 30 left a 96% interval about 12% wide; 60
@@ -61,9 +61,7 @@ def run(
 ) -> dict:
     """Launch the benchmark job, write ``out_dir/pipeline.json`` and return its content."""
     args = ["--old-impl", old_impl, *([] if new_impl is None else ["--new-impl", new_impl])]
-    raw = job.bench_job(
-        "attnres_dist.bench.pipeline_bench", out_dir, config, reps, warmup, [*args, *overrides]
-    )
+    raw = job.bench_job("bench.pipeline_bench", out_dir, config, reps, warmup, [*args, *overrides])
     steps = {name: v["step_s"]["samples"] for name, v in raw["variants"].items()}
     pairs = {  # ratio name: (numerator, denominator) variants
         "step_time_packed_over_tuple": ("block_packed", "block_tuple"),
@@ -81,7 +79,7 @@ def run(
         ),
         "bottleneck_stage": slowest,
         "ratios": {
-            # step times paired per repetition (attnres_dist.bench.paired)
+            # step times paired per repetition (bench.paired)
             **{k: paired_ratio(steps[a], steps[b]) for k, (a, b) in pairs.items()},
             **{
                 f"stage{stage}_peak_memory_block_new_over_old": new / old
@@ -179,13 +177,13 @@ def _worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from attnres_dist.bench.model_bench import path_overrides
-    from attnres_dist.bench.peak_memory import peak_bytes
     from attnres_dist.ops.cpu_library import kernel_clock
     from attnres_dist.pipeline.contract import boundary_specs_for_config
     from attnres_dist.profile.schedule import ScheduleTimer
     from attnres_dist.profile.wire import WireTap
     from attnres_dist.train.trainer import Trainer
+    from bench.model_bench import path_overrides
+    from bench.peak_memory import peak_bytes
 
     trainers, specs = {}, {}
     for name, (mode, payload, path) in VARIANTS.items():

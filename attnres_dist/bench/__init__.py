@@ -1,1 +1,0 @@
-"""attnres_dist: pipeline-parallel trainer for Attention-Residual Transformers."""
