@@ -19,7 +19,7 @@ without metadata-only ops), the per-op overhead a CPU step pays.
   The implementations are parameters (``old_impl``, ``new_impl``; None = the config's
   default), so a newly registered one is measured by naming it. The same steps also time
   the project's C kernels (``kernel_s``: seconds per step inside each entry point, by
-  ``cpu_library.kernel_clock``); ``kernel_share`` sets the kernel time AttnRes adds beside
+  ``bench/kernel_time.py``); ``kernel_share`` sets the kernel time AttnRes adds beside
   the step time it adds (new path, paired medians).
 * ``fixed_cost``: the same new-path baseline, Block and Full at each shape on ONE 8-token
   sequence, interleaved (``FIXED_REPS``): AttnRes's extra step time there is what does not
@@ -44,8 +44,8 @@ from pathlib import Path
 
 import torch
 
-from attnres_dist.ops.cpu_library import kernel_clock
 from attnres_dist.optim import fused_adamw_supported, param_groups
+from bench.kernel_time import kernel_clock
 from bench.launch_job import REPO
 from bench.paired import (
     median_ratio,

@@ -7,7 +7,8 @@ and starting each step after a barrier, so that machine noise hits all of them a
 
 * ``block_packed``: Block AttnRes, the payload packed into one ``[k, s, b, h]`` tensor;
 * ``block_tuple``:  the same model sending the ``k`` tensors as a tuple (DeepSpeed then runs
-  one backward traversal per element, DESIGN.md section 3);
+  one backward traversal per element, DESIGN.md section 3; ``bench/tuple_payload.py`` builds
+  that variant, the product sends packed payloads only);
 * ``baseline``:     the standard residual model (``k = 1``);
 * ``block_old``, ``baseline_old``: the first and the third on the old path (the lean
   depth-attention op, Megatron's core attention, torch's RMSNorm;
@@ -34,6 +35,7 @@ import statistics
 from pathlib import Path
 
 from bench import launch_job as job
+from bench import tuple_payload
 from bench.paired import median_ratio, paired_interval, paired_ratio
 
 # Repetitions: the per-repetition ratio of Block to baseline varies by 5-10% on a shared
@@ -156,32 +158,15 @@ def format_table(result: dict) -> str:
 # -- the job (every rank) ----------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _payload(kind: str):
-    """Build the next engine's module with ``payload=kind``.
-
-    ``PipelineEngine`` constructs the module itself and takes no payload option (training has
-    no use for one), so the bench swaps the class it calls for the duration of one build.
-    """
-    import attnres_dist.pipeline.engine as engine_mod
-
-    original = engine_mod.AttnResPipelineModule
-    engine_mod.AttnResPipelineModule = functools.partial(original, payload=kind)
-    try:
-        yield
-    finally:
-        engine_mod.AttnResPipelineModule = original
-
-
 def _worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from attnres_dist.ops.cpu_library import kernel_clock
     from attnres_dist.pipeline.contract import boundary_specs_for_config
     from attnres_dist.profile.schedule import ScheduleTimer
     from attnres_dist.profile.wire import WireTap
     from attnres_dist.train.trainer import Trainer
+    from bench.kernel_time import kernel_clock
     from bench.model_bench import path_overrides
     from bench.peak_memory import peak_bytes
 
@@ -196,7 +181,7 @@ def _worker(args) -> None:
             "parallel.dp=1",
             "parallel.tp=1",
         )
-        with _payload(payload):
+        with tuple_payload.building(payload):
             trainers[name] = Trainer(cfg)
         specs[name] = boundary_specs_for_config(
             cfg, trainers[name].builder.vocab_size, trainers[name].runtime.activation_dtype

@@ -12,7 +12,6 @@ pointers, float32 views, casts back, and a call that turns a failed allocation i
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import hashlib
@@ -21,7 +20,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -181,26 +179,6 @@ def lanes() -> int:
     return _library()[0].phase1_lanes()
 
 
-# Measurement hook (``bench.kernel_time``): a dict of seconds per entry point
-# while a clock runs, else None; an unmeasured call pays one global lookup.
-_clock: dict[str, float] | None = None
-
-
 def call(name: str, *args) -> None:
-    clock = _clock
-    start = 0.0 if clock is None else time.perf_counter()
     if getattr(_library()[0], name)(*args) != 0:  # the kernels' work buffers (a few KiB)
         raise MemoryError(f"CPU kernel {name}: out of memory")
-    if clock is not None:
-        clock[name] = clock.get(name, 0.0) + time.perf_counter() - start
-
-
-@contextlib.contextmanager
-def kernel_clock():
-    """Seconds spent inside each entry point (a dict filled while the block runs)."""
-    global _clock
-    outer, _clock = _clock, {}
-    try:
-        yield _clock
-    finally:
-        _clock = outer

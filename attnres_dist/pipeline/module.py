@@ -16,10 +16,6 @@ a boundary carries ``(packed, tokens)``: the ``[b, s]`` input ids travel with th
 (DeepSpeed sends integer tensors without gradients) and each stage rebuilds the positions and
 the mask from them (``model/document_masks.py``). The loss mask reaches the last stage with the
 labels, as ``(labels, loss_mask)``.
-
-``payload="tuple"`` sends the same tensors as a tuple instead of one packed tensor. It exists
-only so the benchmark can measure what packing buys (DESIGN.md section 3: DeepSpeed runs one
-backward traversal per tuple element); training always uses the packed default.
 """
 
 from __future__ import annotations
@@ -36,9 +32,7 @@ from attnres_dist.model.depth_state import DepthState
 from attnres_dist.model.document_masks import document_layout
 from attnres_dist.model.embedding_head import lm_loss
 from attnres_dist.model.gpt import ModelBuilder
-from attnres_dist.pipeline.contract import PayloadError, pack, unpack
-
-PAYLOADS = ("packed", "tuple")
+from attnres_dist.pipeline.contract import pack, unpack
 
 
 class EmbeddingPipe(torch.nn.Module):
@@ -160,11 +154,7 @@ class AttnResPipelineModule(SteadyMode, PipelineModule):
         topology,
         recompute: str = "none",
         recompute_interval: int = 1,
-        payload: str = "packed",
     ):
-        if payload not in PAYLOADS:
-            raise ValueError(f"payload {payload!r}: expected one of {PAYLOADS}")
-        self.payload = payload
         self._fixed_parts = list(parts)
         self.plan = builder.plan
         self.documents = builder.documents
@@ -205,19 +195,16 @@ class AttnResPipelineModule(SteadyMode, PipelineModule):
             tokens = None
             if self.carries_tokens:
                 forward_input, tokens = forward_input
-            if self.payload == "tuple":
-                forward_input = self._unpack_tuple(forward_input, layers_done, boundary)
-            else:
-                forward_input = unpack(
-                    forward_input, self.plan, layers_done, boundary, self._store_capacity()
-                )
+            forward_input = unpack(
+                forward_input, self.plan, layers_done, boundary, self._store_capacity()
+            )
             if tokens is not None:
                 layout = document_layout(tokens, self.documents)
                 forward_input = dataclasses.replace(forward_input, layout=layout)
         out = super().forward(forward_input)
         if not isinstance(out, DepthState):
             return out
-        sent = tuple(out.sources()) if self.payload == "tuple" else pack(out)
+        sent = pack(out)
         if self.carries_tokens:
             return (sent, out.layout.tokens)
         return sent
@@ -226,15 +213,3 @@ class AttnResPipelineModule(SteadyMode, PipelineModule):
         """The rows this stage's layers grow the store to (None: the stage has no layer)."""
         first = self.forward_funcs[0] if self.forward_funcs else None
         return first.block.store_capacity if isinstance(first, LayerPipe) else None
-
-    def _unpack_tuple(self, received, layers_done: int, boundary: str) -> DepthState:
-        completed, has_partial = self.plan.state_after(2 * layers_done)
-        expected = completed + int(has_partial)
-        if isinstance(received, torch.Tensor):
-            received = (received,)
-        if len(received) != expected:
-            raise PayloadError(
-                f"{boundary}: received a tuple of {len(received)} tensors, but the block plan "
-                f"({self.plan.describe()}) puts {expected} at the cut after {layers_done} layers"
-            )
-        return DepthState.from_tensors(received, completed, has_partial, layers_done)
