@@ -76,11 +76,10 @@ def block_attention(impl, store, partial, queries, gains) -> list[torch.Tensor]:
     """One block's depth attention: S sublayers over the store plus the partial block."""
     num_q = queries.shape[0]
     if impl.two_phase:
-        out1, lse = impl.phase1(store, queries, gains, EPS)
+        weights = torch.stack((queries, gains), 1)  # [S, 2, D], as the model packs them
+        out1, lse = impl.phase1(store, weights, EPS)
         extra = partial[None]
-        return [
-            impl.phase2(out1[i], lse[i], extra, queries[i], gains[i], EPS) for i in range(num_q)
-        ]
+        return [impl.phase2(out1[i], lse[i], extra, weights[i], EPS) for i in range(num_q)]
     sources = [*store.unbind(0), partial]
     return [impl(queries[i], sources, gains[i], eps=EPS) for i in range(num_q)]
 

@@ -67,17 +67,18 @@ def _merge_norm(dim: int, tokens: int, reps: int, warmup: int, gen) -> dict:
 
     blocks = torch.randn(3, tokens, dim, generator=gen)
     q, g, w = (1 + 0.3 * torch.randn(3, dim, generator=gen)).unbind(0)
-    out1, lse = cpu_two_phase.phase1(blocks, q[None], g[None])
+    out1, lse = cpu_two_phase.phase1(blocks, torch.stack((q, g))[None])
     leaves = [t.detach().requires_grad_() for t in (out1[0], lse[0])]
     extra = torch.randn(1, tokens, dim, generator=gen).requires_grad_()
     leaves += [extra, *(t.requires_grad_() for t in (q, g, w))]
     grad = torch.randn(tokens, dim, generator=gen)
 
     def fused():
-        torch.autograd.grad(merge_rms_norm(*leaves), leaves, grad)
+        weights = torch.stack(leaves[3:5])
+        torch.autograd.grad(merge_rms_norm(*leaves[:3], weights, leaves[5]), leaves, grad)
 
     def composed():
-        mixed = cpu_two_phase.phase2(*leaves[:5])
+        mixed = cpu_two_phase.phase2(*leaves[:3], torch.stack(leaves[3:5]))
         torch.autograd.grad(rms_norm(mixed, leaves[5], 1e-5), leaves, grad)
 
     med = _interleaved({"fused": fused, "composed": composed}, reps, warmup)

@@ -40,11 +40,12 @@ def _inputs(n: int, size: int, tokens: int, dim: int, seed: int, extra: int = 1)
 
 def _block_two_phase(store, partial, queries, gains, full: bool = False, impl="twophase"):
     op = get_depth_attention(impl)
-    out1, lse = (t.unbind(0) for t in op.phase1(store, queries, gains))
+    weights = torch.stack((queries, gains), 1)  # [S, 2, D], as the model packs them
+    out1, lse = op.phase1(store, weights)
     outs = [out1[0]]
     for k in range(1, queries.shape[0]):
         extra = partial[:k] if full else partial[:1]
-        outs.append(op.phase2(out1[k], lse[k], extra, queries[k], gains[k]))
+        outs.append(op.phase2(out1[k], lse[k], extra, weights[k]))
     return outs
 
 

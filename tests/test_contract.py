@@ -30,7 +30,9 @@ def state_after(plan: BlockPlan, layers: int, s=5, b=2, h=8, requires_grad=False
     tensors = [
         torch.randn(s, b, h).requires_grad_(requires_grad) for _ in range(completed + int(partial))
     ]
-    return DepthState.from_tensors(tensors, completed, partial, layers), tensors
+    blocks, last = (tensors[:-1], tensors[-1]) if partial else (tensors, None)
+    store = torch.stack(blocks) if blocks else None
+    return DepthState(store, last, layers), tensors
 
 
 @pytest.mark.parametrize("mode, size", [("baseline", 1), ("full", 1), ("block", 3)])

@@ -378,19 +378,3 @@ class DepthState:
         buffer = StoreBuffer(like.new_empty((max(capacity, rows), *like.shape[1:])))
         store, _ = write_rows(buffer, None, pieces)
         return DepthState(store, partial, layers_done, buffer=buffer)
-
-    @staticmethod
-    def from_tensors(
-        tensors, num_completed: int, has_partial: bool, layers_done: int, layout=None
-    ) -> DepthState:
-        """A state from its sources one by one (the store is stacked: one copy)."""
-        tensors = tuple(tensors)
-        if len(tensors) != num_completed + int(has_partial):
-            raise ValueError(
-                f"depth state after {layers_done} layers needs {num_completed} completed blocks"
-                f"{' + a partial block' if has_partial else ''}, got {len(tensors)} tensors"
-            )
-        partial = tensors[-1] if has_partial else None
-        completed = tensors[:-1] if has_partial else tensors
-        store = torch.stack(completed) if completed else None
-        return DepthState(store, partial, layers_done, layout)
