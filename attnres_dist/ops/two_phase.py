@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from attnres_dist.ops.depth_attention import compute_dtype, one_pass_adapter
+from attnres_dist.ops.depth_attention import compute_dtype
 
 
 def _key_stats(flat: Tensor, eps: float) -> Tensor:
@@ -353,7 +353,3 @@ def compose_phases(first, second):
 
     kernel.__name__ = kernel.__qualname__ = f"one_pass_{first.__module__.rsplit('.', 1)[-1]}"
     return kernel
-
-
-# the softmax weights (diagnostics) come from the lean op
-two_phase_depth_attention = one_pass_adapter(compose_phases(phase1, phase2))
