@@ -129,10 +129,8 @@ class DepthMixer:
         reads every row of the store, usually the first to backpropagate into them: it writes
         their gradient into the store's buffer, where autograd would hand the function that
         made the store a gradient of the whole store to copy there."""
-        store, buffer, rows = state.store, state.buffer, state.num_completed
-        options = {}
-        if self.grad_into and _holds(state):
-            options["grad_into"] = lambda: buffer.grad_rows(0, rows)
+        store = state.store
+        options = _store_grad_into(state, store.shape[0]) if self.grad_into else {}
         weights = self.weights[self.row : self.row + 1]
         out1, lse = self._op.phase1(store, weights, self.eps, **options)
         extra = None if state.partial is None else state.partial.unsqueeze(0)
@@ -184,14 +182,9 @@ class Segment:
         # phase 1 reads the blocks completed when the block (or Full group) began, wherever
         # the segment starts: a stage or recompute cut then changes no arithmetic
         store = state.store
-        # the store's rows gather their gradient in its buffer where the kernel can add to it
-        buffer = state.buffer
         if store.shape[0] != self.rows:  # a cut inside a Full group (slicing has a cost)
             store = store[: self.rows]
-        rows = store.shape[0]
-        options = {}
-        if "grad_into" in op.options and _holds(state):
-            options["grad_into"] = lambda: buffer.grad_rows(0, rows)
+        options = _store_grad_into(state, store.shape[0]) if "grad_into" in op.options else {}
         normed = self.fuses_first_norm(state)
         if normed:
             options["first_norm"] = (self.first_norm.weight, self.first_norm.eps)
@@ -224,6 +217,15 @@ def merge_inputs(state: DepthState, sublayer: int, grad_into: bool = False):
         extra.append(state.partial.unsqueeze(0))
     extra = None if not extra else extra[0] if len(extra) == 1 else torch.cat(extra)
     return cache.out1[k], cache.lse[k], extra, None
+
+
+def _store_grad_into(state: DepthState, rows: int) -> dict:
+    """Phase 1's ``grad_into`` option over the store's first ``rows`` rows: their gradient
+    added in the store's buffer, where the store is one (else no option)."""
+    if not _holds(state):
+        return {}
+    buffer = state.buffer
+    return {"grad_into": lambda: buffer.grad_rows(0, rows)}
 
 
 def _holds(state: DepthState) -> bool:

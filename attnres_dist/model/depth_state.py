@@ -358,10 +358,8 @@ class DepthState:
         copied once; see ``_WriteRows``), for a stage whose layers grow the store further."""
         if num_completed == 0:
             return DepthState.from_payload(payload, 0, has_partial, layers_done)
-        buffer = StoreBuffer(payload.new_empty((max(capacity, num_completed), *payload.shape[1:])))
-        store, _ = write_rows(buffer, None, [payload[:num_completed]])
         partial = payload[num_completed] if has_partial else None
-        return DepthState(store, partial, layers_done, buffer=buffer)
+        return DepthState.assemble([payload[:num_completed]], partial, layers_done, capacity)
 
     @staticmethod
     def assemble(
