@@ -85,6 +85,7 @@ def _explain(model, window) -> tuple[int, int]:
     """(graphs, breaks) of every layer's region and the final aggregation's, summed."""
     import torch._dynamo
 
+    from attnres_dist.model.compiled_region import state_region
     from attnres_dist.model.sequence_context import sequence_context
 
     def explain(fn, *args):
@@ -98,7 +99,7 @@ def _explain(model, window) -> tuple[int, int]:
         for layer in model.layers:
             like, seq_dim = (state.partial, 0) if state.store is None else (state.store, 1)
             ctx = sequence_context(layer.layer.config, like, layer.rotary_base, seq_dim=seq_dim)
-            counts.append(explain(layer.sublayers, state, ctx))
+            counts.append(explain(state_region(layer.sublayers), state, ctx))
             state = layer(state)
         counts.append(explain(model.final.aggregate, state))
     graphs, breaks = (sum(c) for c in zip(*counts, strict=True))

@@ -34,6 +34,7 @@ from attnres_dist.checkpoint import store
 from attnres_dist.config import load_config
 from attnres_dist.errors import ConfigError
 from attnres_dist.model import dropout_streams
+from attnres_dist.model.compiled_region import state_region
 from attnres_dist.model.gpt import AttnResGPT, compile_regions
 from attnres_dist.model.sequence_context import sequence_context
 from attnres_dist.ops import cpu_rms_norm
@@ -134,7 +135,7 @@ def test_every_layer_traces_as_one_graph(mode, block_size):
         ref = state.partial if state.store is None else state.store[0]
         ctx = sequence_context(layer.layer.config, ref, layer.rotary_base)
         torch._dynamo.reset()
-        explained = torch._dynamo.explain(layer.sublayers)(state, ctx)
+        explained = torch._dynamo.explain(state_region(layer.sublayers))(state, ctx)
         reasons = [b.reason for b in explained.break_reasons]
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), reasons
         state = layer(state)
@@ -181,10 +182,10 @@ def test_attnres_recompute_inside_compiled_layers(mode, block_size):
     ref = state.partial if state.store is None else state.store[0]
     ctx = sequence_context(first.layer.config, ref, first.rotary_base)
     torch._dynamo.reset()
-    graphs = torch._dynamo.explain(first.sublayers)(state, ctx).graphs
+    graphs = torch._dynamo.explain(state_region(first.sublayers))(state, ctx).graphs
     assert "tag_activation_checkpoint" in graphs[0].code  # the checkpoint is in the graph
     torch._dynamo.reset()
-    assert all(layer.recompute == "attnres" for layer in compiled.layers)
+    assert all(layer.attn_mixer.recompute for layer in compiled.layers)
     compile_regions(compiled, "aot_eager")
     assert_same_numbers(compiled, eager)
 
@@ -203,7 +204,7 @@ def test_c_rms_norm_stays_in_the_graph():
     state = compiled.embedding(window()[:, :-1])
     ctx = sequence_context(first.layer.config, state.store[0], first.rotary_base)
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(first.sublayers)(state, ctx)
+    explained = torch._dynamo.explain(state_region(first.sublayers))(state, ctx)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
     assert "attnres.rms_norm" in explained.graphs[0].code
     torch._dynamo.reset()

@@ -27,6 +27,7 @@ import torch._dynamo
 
 from attnres_dist.config import OptimConfig, load_config
 from attnres_dist.errors import ConfigError
+from attnres_dist.model.compiled_region import state_region
 from attnres_dist.model.sequence_context import sequence_context
 from attnres_dist.runtime.select import select_runtime
 from attnres_dist.train.local_engine import LocalEngine
@@ -70,12 +71,11 @@ def test_a_run_traces_as_one_graph():
     """The whole model's three layers: one graph, no break, every layer's matmuls in it."""
     model = build("block", 4, compile="chunk", backend="aot_eager")
     leader = model.layers[0]
-    assert leader.run == list(model.layers)
-    assert all(layer.run == [layer] for layer in model.layers[1:])
+    assert [run.layers for run in model.runs] == [list(model.layers)]
     state = model.embedding(window()[:, :-1])
     ctx = sequence_context(leader.layer.config, state.store[0], leader.rotary_base)
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(leader.run_layers)(state, ctx)
+    explained = torch._dynamo.explain(state_region(model.runs[0].sublayers))(state, ctx)
     assert explained.graph_count == 1 and explained.graph_break_count == 0
     linears = sum(code.count("linear") for code in (g.code for g in explained.graphs))
     assert linears >= 3 * 4  # qkv, proj, fc1, fc2 of each of the three layers

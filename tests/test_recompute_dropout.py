@@ -133,9 +133,9 @@ def test_plain_torch_checkpoint_would_replay_other_masks(monkeypatch):
     def plain(function, *args):
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
 
-    import attnres_dist.model.attnres_layer as layer_module
+    import attnres_dist.model.layer_runs as runs_module
 
-    monkeypatch.setattr(layer_module, "checkpoint", plain)
+    monkeypatch.setattr(runs_module, "checkpoint", plain)
     got = grads(model, False)
     assert any((got[n] - expected[n]).abs().max() > 1e-4 for n in expected)
     assert recompute.checkpoint is not plain

@@ -2,8 +2,8 @@
 
 Megatron's own module is the independent reference: the same constructor arguments build
 both, the same q/k/v go in, outputs and gradients must agree (fp32 <= 1e-5), with and without
-grouped-query attention, for the recognised causal mask, an unrecognised causal mask and a
-non-causal mask. The whole model built with either core attention must give the same loss and
+grouped-query attention, for no mask (the causal fast path), the causal mask given explicitly
+and a non-causal mask. The whole model built with either core attention must give the same loss and
 gradients. Dropout is checked for what it must do (keep or zero each attention weight, scale
 kept ones by 1/(1-p), about p of them zeroed, draws from the model-parallel RNG tracker) and for
 what it must not (any randomness in eval mode).
@@ -21,7 +21,7 @@ from attnres_dist.config import ModelConfig
 from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
 from attnres_dist.model.megatron_config import transformer_config
 from attnres_dist.model.sdpa_attention import SdpaAttention, SdpaSelfAttention
-from attnres_dist.model.sequence_context import is_plain_causal_mask, sequence_context
+from attnres_dist.model.sequence_context import sequence_context
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
 from attnres_dist.runtime import Choice, RuntimeChoice
@@ -72,18 +72,14 @@ def max_diff(a, b) -> float:
 
 
 @pytest.mark.parametrize("heads, groups", [(4, None), (4, 2), (4, 1), (8, 2)])
-@pytest.mark.parametrize("mask_kind", ["causal", "causal-copy", "random", "none"])
+@pytest.mark.parametrize("mask_kind", ["causal", "random", "none"])
 def test_sdpa_matches_dot_product_attention(heads, groups, mask_kind, monkeypatch):
     megatron, sdpa, config = pair(heads, groups)
     seq, batch, head_dim = 16, 3, config.kv_channels
     tensors = qkv(seq, batch, heads, groups or heads, head_dim)
     causal = sequence_context(config, tensors[0], 10000).attention_mask
     if mask_kind == "causal":
-        mask = causal
-        assert is_plain_causal_mask(mask)  # the fast path (is_causal=True) is taken
-    elif mask_kind == "causal-copy":
-        mask = causal.clone()  # same values, not recognised: the explicit-mask path
-        assert not is_plain_causal_mask(mask)
+        mask = causal  # given, it is read: the explicit-mask path
     elif mask_kind == "random":
         g = torch.Generator().manual_seed(5)
         mask = torch.rand(1, 1, seq, seq, generator=g) < 0.4
@@ -279,10 +275,11 @@ def test_sdpa_dropout_stream_replays_and_eval_equals_megatron(tp):
     assert (out - ref).abs().max().item() <= TOL
 
 
-def test_rotary_tables_cached_per_angles_and_dtype():
-    """Eagerly the tables are computed once per (angles, dtype) and reused: the same tensors
-    on the next call, another entry for another dtype, each equal to the naive cos and signed
-    sin of the angles rounded to that dtype."""
+def test_rotary_tables_made_once_per_length_and_dtype():
+    """The sequence context makes the tables once per (length, dtype, scale) and every layer
+    and step reads them: the same tensors on the next call, others for another dtype, each
+    equal to the naive cos and signed sin of the angles (times the scale) rounded to that
+    dtype; the attention built by the layer spec asks for them at its scale."""
     from megatron.core.transformer.spec_utils import build_module
 
     from attnres_dist.model import layer_specs
@@ -291,13 +288,19 @@ def test_rotary_tables_cached_per_angles_and_dtype():
     config = transformer_config(cfg)
     spec = layer_specs.layer_spec(_choice("sdpa")).submodules.self_attention
     block = build_module(spec, config=config, layer_number=1)
+    assert block.takes_tables and block.mscale == 1.0
     freqs = sequence_context(config, torch.zeros(12, 1, 32), 10000).rotary_pos_emb
     half = freqs.shape[-1] // 2
+    made = {}
     for dtype in (torch.float32, torch.bfloat16):
-        cos, sin = block._tables(freqs, dtype)
-        assert block._tables(freqs, dtype)[0] is cos and block._tables(freqs, dtype)[1] is sin
-        assert cos.dtype == sin.dtype == dtype
-        assert torch.equal(cos, freqs.cos().to(dtype))
+        like = torch.zeros(12, 1, 32, dtype=dtype)
+        tables = sequence_context(config, like, 10000, mscale=0.5).tables
+        again = sequence_context(config, like, 10000, mscale=0.5).tables
+        assert again is tables
+        assert tables.cos.dtype == tables.sin.dtype == dtype
+        assert torch.equal(tables.cos, (freqs.cos() * 0.5).to(dtype))
         signed = torch.cat([-freqs[..., :half].sin(), freqs[..., half:].sin()], dim=-1)
-        assert torch.equal(sin, signed.to(dtype))
-    assert block._tables(freqs, torch.float32)[0] is not block._tables(freqs, torch.bfloat16)[0]
+        assert torch.equal(tables.sin, (signed * 0.5).to(dtype))
+        made[dtype] = tables
+    assert made[torch.float32].cos is not made[torch.bfloat16].cos
+    assert sequence_context(config, torch.zeros(12, 1, 32), 10000).tables is None

@@ -19,11 +19,10 @@ import torch
 from deepspeed.runtime.pipe import schedule as ds
 
 from attnres_dist.config import load_config
-from attnres_dist.model.attnres_layer import configure_recompute
-from attnres_dist.model.depth_mixing import configure_segments
 from attnres_dist.model.depth_state import DepthState
 from attnres_dist.model.embedding_head import lm_loss
 from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
+from attnres_dist.model.layer_runs import apply_runs
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.process_groups import init_distributed
 from attnres_dist.pipeline.chunk_boundary import NaiveBoundary
@@ -78,8 +77,7 @@ class Chain:
             self.modules["output"] = b.output()
         for c in range(self.layout.C):  # as the pipeline module configures its local layers
             local = [self.modules[f"layers.{i}"] for i in self.layout.layers_of(c)]
-            configure_recompute(local, "none")
-            configure_segments(local, b.plan)
+            apply_runs(local, b.plan)
 
     def run(self, chunk, x, tokens, labels, hidden_out):
         n = self.builder.model.num_layers

@@ -1,8 +1,8 @@
 """How a part of the model becomes one ``torch.compile`` region (``runtime.compile``).
 
 Each transformer layer's two sublayers (``AttnResLayer.sublayers``, ``layer``) or each run of
-a chunk's consecutive layers (``AttnResLayer.run_layers``, ``chunk``) and the final
-aggregation with its norm (``FinalAggregation.aggregate``) are compiled this way:
+a chunk's consecutive layers (``LayerRun.sublayers``, ``chunk``; ``model/layer_runs.py``) and
+the final aggregation with its norm (``FinalAggregation.aggregate``) are compiled this way:
 ``fullgraph`` (a graph break is an error, never a silent split) and static shapes (each layer
 is its own graph anyway: its block structure is Python control flow, so dynamic shapes would
 only add guards). Each region gets a code object of its own (``_own_code``): TorchDynamo keeps
@@ -31,7 +31,7 @@ and every guard that has failed once (a layer's index, the train / eval mode aft
 evaluation compiled its entries). The rest (about 750 entries per region on Megatron's
 submodules' attributes and the parameters' metadata) checks what cannot change between training
 steps. What keeps that true: a region reads nothing from Python that varies between steps of
-one run (the diagnostics hook is checked outside the regions, ``AttnResLayer.apply_layer``),
+one run (the diagnostics hook is checked outside the regions, ``AttnResLayer.forward``),
 and any compile anywhere (an evaluation's first pass, a new shape) sends the next step back to
 every guard. Evaluations run with every guard: sharing the stance would let an evaluation's
 first pass pick a training graph, before the train / eval guard has ever failed (what it
@@ -63,6 +63,19 @@ def compile_region(method, backend: str = "inductor", cuda_graphs: bool = False)
     return torch.compile(
         _own_code(method), backend=backend, fullgraph=True, dynamic=False, options=options
     )
+
+
+def state_region(method):
+    """The bound ``method(state, *args) -> state`` (a layer's sublayers, a chunk's run of
+    layers) as a region runs it: the depth state enters as a value (``DepthState.in_region``:
+    appends are ``torch.cat``s the compiler sees) and leaves as ``DepthState.out_of_region``
+    hands it on. Eager, the method runs on the state as it is."""
+
+    def region(self, state, *args):
+        return method(state.in_region(), *args).out_of_region()
+
+    region.__name__ = region.__qualname__ = method.__name__
+    return types.MethodType(region, method.__self__)
 
 
 _REGIONS = itertools.count()

@@ -38,7 +38,7 @@ import torch
 
 from attnres_dist.config.block_plan import BlockPlan
 from attnres_dist.model.depth_state import DepthState, Phase1Cache
-from attnres_dist.model.recompute import checkpoint
+from attnres_dist.model.recompute import checkpoint_deterministic
 from attnres_dist.ops import get_depth_attention
 from attnres_dist.ops.cpu_rms_norm import CpuRMSNorm
 
@@ -100,14 +100,18 @@ class DepthMixer:
         if not self.two_phase:
             mix_norm = lambda *sources: norm(self(sources))  # noqa: E731
             sources = state.sources()
-            return state, checkpoint(mix_norm, *sources) if recompute else mix_norm(*sources)
+            return state, checkpoint_deterministic(mix_norm, *sources) if recompute else mix_norm(
+                *sources
+            )
         state = segment.begin(state)
-        out1, lse, extra, into = merge_inputs(state, sublayer, self.grad_into)
+        out1, lse, extra, into = state.merge_inputs(sublayer, self.grad_into)
         if state.phase1.first_normed and sublayer == state.phase1.first:
             return state, out1  # phase 1 applied this sublayer's norm
         inputs = (out1, lse, extra, state.store.dtype, into)
         merge_norm = lambda *a: self.merge(*a, norm=norm)  # noqa: E731
-        return state, checkpoint(merge_norm, *inputs) if recompute else merge_norm(*inputs)
+        return state, checkpoint_deterministic(merge_norm, *inputs) if recompute else merge_norm(
+            *inputs
+        )
 
     def merge(self, out1, lse, extra, dtype: torch.dtype, into=None, norm=None):
         """Phase 2: this mixer's phase-1 result merged with ``extra`` (None: nothing), then
@@ -130,7 +134,7 @@ class DepthMixer:
         their gradient into the store's buffer, where autograd would hand the function that
         made the store a gradient of the whole store to copy there."""
         store = state.store
-        options = _store_grad_into(state, store.shape[0]) if self.grad_into else {}
+        options = state.store_grad_into(store.shape[0]) if self.grad_into else {}
         weights = self.weights[self.row : self.row + 1]
         out1, lse = self._op.phase1(store, weights, self.eps, **options)
         extra = None if state.partial is None else state.partial.unsqueeze(0)
@@ -184,7 +188,7 @@ class Segment:
         store = state.store
         if store.shape[0] != self.rows:  # a cut inside a Full group (slicing has a cost)
             store = store[: self.rows]
-        options = _store_grad_into(state, store.shape[0]) if "grad_into" in op.options else {}
+        options = state.store_grad_into(store.shape[0]) if "grad_into" in op.options else {}
         normed = self.fuses_first_norm(state)
         if normed:
             options["first_norm"] = (self.first_norm.weight, self.first_norm.eps)
@@ -193,64 +197,25 @@ class Segment:
         return replace(state, phase1=cache)
 
 
-def merge_inputs(state: DepthState, sublayer: int, grad_into: bool = False):
-    """(out1, lse, extra, into) of ``sublayer`` from the state's phase-1 results: extra may be
-    None; ``into`` (None unless ``grad_into``, the op's capability) gives the gradient rows of
-    an extra that is a range of store rows, for the op to add that extra's gradient to."""
-    cache = state.phase1
-    k = sublayer - cache.first
-    later = state.num_completed - cache.rows  # Full: the group's outputs, in the store
-    if later and state.partial is None and grad_into and _holds(state):
-        # read in place: their gradient goes to the buffer, so no slice backpropagates a
-        # zero-filled gradient of the whole store
-        rows, buffer = slice(cache.rows, state.num_completed), state.buffer
-        into = lambda: buffer.grad_rows(rows.start, rows.stop)  # noqa: E731
-        return cache.out1[k], cache.lse[k], state.store[rows], into
-    extra = []
-    closed = cache.closed
-    received = later - len(closed)
-    if received:  # Full: the group's earlier outputs that came with the state (a cut)
-        extra.append(state.store[cache.rows : cache.rows + received])
-    if closed:  # Full: the group's outputs closed since the segment began
-        extra.append(torch.stack(closed))
-    if state.partial is not None:  # Block: the partial block
-        extra.append(state.partial.unsqueeze(0))
-    extra = None if not extra else extra[0] if len(extra) == 1 else torch.cat(extra)
-    return cache.out1[k], cache.lse[k], extra, None
-
-
-def _store_grad_into(state: DepthState, rows: int) -> dict:
-    """Phase 1's ``grad_into`` option over the store's first ``rows`` rows: their gradient
-    added in the store's buffer, where the store is one (else no option)."""
-    if not _holds(state):
-        return {}
-    buffer = state.buffer
-    return {"grad_into": lambda: buffer.grad_rows(0, rows)}
-
-
-def _holds(state: DepthState) -> bool:
-    return state.buffer is not None and state.buffer.holds(state.store)
-
-
-def configure_segments(layers: list, plan: BlockPlan, final=None) -> None:
+def configure_segments(layers: list, plan: BlockPlan, final=None, groups=None) -> None:
     """Give consecutive local layers their segments and the store capacity of their range;
     ``final``: the ``FinalAggregation`` that runs right after them, if any (see
-    :func:`join_final_segment`).
-
-    Call after ``configure_recompute``: full-recompute groups cut segments (a recomputed group
-    starts from its input state, without the phase-1 results of the group before it).
+    :func:`join_final_segment`); ``groups``: the full-recompute groups of ``layers`` (None:
+    none), which cut segments (a recomputed group starts from its input state, without the
+    phase-1 results of the group before it). Call after the mixers' ``recompute`` is set.
     """
     if final is not None:
         final.segment = None
     if not layers or plan.mode == "baseline":
         return
+    group_of = {id(layer): id(g) for g in groups or () for layer in g}
     size = plan.effective_block_size
     group = FULL_GROUP if size == 1 else size
     capacity = plan.boundary_width(layers[-1].layer_index + 1)
     segments: dict[tuple, Segment] = {}
     for layer in layers:
         layer.store_capacity = capacity
-        recompute_group = id(layer.group) if layer.recompute == "full" else None
+        recompute_group = group_of.get(id(layer))
         layer.segments = {}
         for sublayer, mixer in (
             (layer.first_sublayer, layer.attn_mixer),
@@ -266,13 +231,13 @@ def configure_segments(layers: list, plan: BlockPlan, final=None) -> None:
                 # under attnres recompute the norm belongs to the recomputed region
                 fusable = (
                     isinstance(norm, CpuRMSNorm)
-                    and layer.recompute != "attnres"
+                    and not mixer.recompute
                     and "first_norm" in mixer._op.options
                 )
                 segment = segments[key] = Segment(sublayer, [], rows, norm if fusable else None)
             segment.mixers.append(mixer)
             layer.segments[sublayer] = segment
-    if final is not None:
+    if final is not None and not group_of:
         join_final_segment(layers[-1], plan, final)
 
 
@@ -290,7 +255,6 @@ def join_final_segment(last, plan: BlockPlan, final) -> None:
         or not mixer.two_phase
         or segment is None
         or last.layer_index != plan.num_layers - 1
-        or last.recompute == "full"
         or (mixer.impl, mixer.eps) != (segment.mixers[0].impl, segment.mixers[0].eps)
     ):
         return

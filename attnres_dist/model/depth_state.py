@@ -211,18 +211,11 @@ class Phase1Cache:
 
     def handed_on(self, sublayer: int) -> Phase1Cache:
         """The results that sublayers ``sublayer ..`` still read, for the next layer: earlier
-        sublayers' entries dropped (None). Inside a compiled region the rest are made
-        contiguous too: a region's outputs are its graph's, and a graph that outputs a
-        strided slice of phase 1's ``[T, S, D]`` product gets back a contiguous gradient
-        that its backward copies into that layout first; an output nothing reads back
-        gets a gradient of zeros made for it."""
+        sublayers' entries dropped (None)."""
         k = sublayer - self.first
-        compiling = torch.compiler.is_compiling()
 
         def keep(results):
-            return tuple(
-                None if i < k else t.contiguous() if compiling else t for i, t in enumerate(results)
-            )
+            return tuple(None if i < k else t for i, t in enumerate(results))
 
         return replace(self, out1=keep(self.out1), lse=keep(self.lse))
 
@@ -235,6 +228,9 @@ class DepthState:
     layout: Any = None  # DocumentLayout or None (plain causal attention, positions 0 .. s-1)
     buffer: StoreBuffer | None = None  # storage the store grows into, and its gradient
     phase1: Phase1Cache | None = None
+    # inside a compiled region (``in_region``): the store is a value there, each append a
+    # ``torch.cat`` that the compiler sees (a buffer's aliases and gradient rows are eager's)
+    functional: bool = False
 
     @staticmethod
     def start(v0: torch.Tensor, layout=None) -> DepthState:
@@ -274,9 +270,7 @@ class DepthState:
         dtype = self.store.dtype
         if addend is not None and (row.dtype != dtype or addend.dtype != dtype):
             row, addend = row + addend, None  # the sum in the sources' precision, then cast
-        if torch.compiler.is_compiling():
-            # inside a compiled region the store is a value: a functional append, which the
-            # compiler sees (the buffer's aliases and gradient rows are eager-only)
+        if self.functional:
             row = (row if addend is None else row + addend).to(dtype)
             return torch.cat([self.store, row.unsqueeze(0)]), row, None
         held = buffer is not None and buffer.capacity > c and buffer.holds(self.store)
@@ -315,6 +309,73 @@ class DepthState:
         if closes:
             return self.close_block(capacity, out)
         return replace(self, partial=out if self.partial is None else self.partial + out)
+
+    def merge_inputs(self, sublayer: int, grad_into: bool = False):
+        """(out1, lse, extra, into) of ``sublayer`` from the phase-1 results: extra may be
+        None; ``into`` (None unless ``grad_into``, the op's capability) gives the gradient rows
+        of an extra that is a range of store rows, for the op to add that extra's gradient to."""
+        cache = self.phase1
+        k = sublayer - cache.first
+        later = self.num_completed - cache.rows  # Full: the group's outputs, in the store
+        if later and self.partial is None and grad_into and self.holds_store():
+            # read in place: their gradient goes to the buffer, so no slice backpropagates a
+            # zero-filled gradient of the whole store
+            rows, buffer = slice(cache.rows, self.num_completed), self.buffer
+            into = lambda: buffer.grad_rows(rows.start, rows.stop)  # noqa: E731
+            return cache.out1[k], cache.lse[k], self.store[rows], into
+        extra = []
+        closed = cache.closed
+        received = later - len(closed)
+        if received:  # Full: the group's earlier outputs that came with the state (a cut)
+            extra.append(self.store[cache.rows : cache.rows + received])
+        if closed:  # Full: the group's outputs closed since the segment began
+            extra.append(torch.stack(closed))
+        if self.partial is not None:  # Block: the partial block
+            extra.append(self.partial.unsqueeze(0))
+        extra = None if not extra else extra[0] if len(extra) == 1 else torch.cat(extra)
+        return cache.out1[k], cache.lse[k], extra, None
+
+    def store_grad_into(self, rows: int) -> dict:
+        """Phase 1's ``grad_into`` option over the store's first ``rows`` rows: their gradient
+        added in the store's buffer, where the store is one (else no option)."""
+        if not self.holds_store():
+            return {}
+        buffer = self.buffer
+        return {"grad_into": lambda: buffer.grad_rows(0, rows)}
+
+    def holds_store(self) -> bool:
+        """Whether the store is its buffer's leading rows (an alias, not a copy)."""
+        return self.buffer is not None and self.buffer.holds(self.store)
+
+    def in_region(self) -> DepthState:
+        """The state as a compiled region takes it: the store a value (``functional``)."""
+        return replace(self, buffer=None, functional=True)
+
+    def out_of_region(self) -> DepthState:
+        """The state as a compiled region hands it back: the store a tensor to grow from,
+        the phase-1 results that later sublayers read contiguous. A region's outputs are
+        its graph's, and a graph that outputs a strided slice of phase 1's ``[T, S, D]``
+        product gets back a contiguous gradient that its backward copies into that layout
+        first; an output nothing reads back gets a gradient of zeros made for it
+        (``handed_on`` drops those)."""
+        return replace(self.with_contiguous_phase1(), functional=False)
+
+    def with_contiguous_phase1(self) -> DepthState:
+        """The state with its phase-1 results contiguous: as a compiled region hands them
+        on, and as a chunk's region hands them from one layer to the next inside its graph
+        (there, a checkpointed merge reading a phase-1 result as an unbound piece of phase 1's
+        product is a graph AOTAutograd cannot partition: the ``unbind`` must be saved and
+        cannot be)."""
+        phase1 = self.phase1
+        if phase1 is None:
+            return self
+
+        def contiguous(results):
+            return tuple(None if t is None else t.contiguous() for t in results)
+
+        return replace(
+            self, phase1=replace(phase1, out1=contiguous(phase1.out1), lse=contiguous(phase1.lse))
+        )
 
     def payload(self) -> torch.Tensor:
         """ONE tensor ``[k, s, b, h]``: the store, plus the partial block as its last row."""

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from attnres_dist.config.block_plan import BlockPlan
 from attnres_dist.model import compiled_region, dropout_streams
-from attnres_dist.model.depth_mixing import DepthMixer, merge_inputs, mixer_weights
+from attnres_dist.model.depth_mixing import DepthMixer, mixer_weights
 from attnres_dist.model.depth_state import DepthState
 from attnres_dist.model.document_masks import DocumentOptions, document_layout
 
@@ -146,7 +146,7 @@ class FinalAggregation(torch.nn.Module):
         if len(cache.out1) != len(segment.mixers):  # the layers' segments were made anew
             return None
         sublayer = segment.first + segment.mixers.index(self.mixer)
-        out1, lse, extra, into = merge_inputs(state, sublayer, self.mixer.grad_into)
+        out1, lse, extra, into = state.merge_inputs(sublayer, self.mixer.grad_into)
         return out1, lse, extra, state.store.dtype, into
 
 

@@ -26,14 +26,10 @@ from attnres_dist import megatron_compat
 from attnres_dist.config import ModelConfig
 from attnres_dist.config.block_plan import BlockPlan
 from attnres_dist.model import dropout_streams, layer_specs
-from attnres_dist.model.attnres_layer import (
-    AttnResLayer,
-    configure_compiled_runs,
-    configure_recompute,
-)
-from attnres_dist.model.depth_mixing import configure_segments
+from attnres_dist.model.attnres_layer import AttnResLayer
 from attnres_dist.model.document_masks import DocumentOptions, loss_mask
 from attnres_dist.model.embedding_head import Embedding, FinalAggregation, OutputLayer, lm_loss
+from attnres_dist.model.layer_runs import CompileOptions, apply_runs
 from attnres_dist.model.megatron_config import padded_vocab_size, transformer_config
 from attnres_dist.runtime import RuntimeChoice
 from attnres_dist.runtime.select import select_depth_attention
@@ -109,7 +105,6 @@ class ModelBuilder:
             )
         if self.model.attnres.source_scaled_eps and self.plan.mode != "baseline":
             scale_norm_eps(part.sublayer_norms(), self.plan, 2 * index + 1)
-        self._compile(part)
         return part
 
     def final(self) -> FinalAggregation:
@@ -120,22 +115,22 @@ class ModelBuilder:
             part.final_norm = norm
         if self.model.attnres.source_scaled_eps and self.plan.mode != "baseline":
             scale_norm_eps([part.final_norm], self.plan, None)
-        self._compile(part)
+        options = self.compile_options
+        if options is not None:  # after its norm is final: a graph reads its epsilon
+            part.compile_region(options.backend, options.cuda_graphs)
         return part
 
-    def _compile(self, part) -> None:
-        """A layer or the final aggregation as one compiled region, where the runtime says so
-        (after its norms are final: a graph reads their epsilon). Under ``compile: chunk`` a
-        layer only keeps the options: its run is compiled once the model container knows
-        which layers a chunk holds (``configure_compiled_runs``)."""
+    @property
+    def compile_options(self) -> CompileOptions | None:
+        """What ``runtime.compile`` asks of the parts (None: nothing compiled). The layers
+        are compiled by their chunk's runs (``model/layer_runs.py``), once the container knows
+        which layers a chunk holds."""
         if not self.runtime.compiled:
-            return
+            return None
         backend = self.runtime.compile_backend
-        options = (backend.value if backend else "inductor", self.runtime.graphed)
-        if self.runtime.chunked and isinstance(part, AttnResLayer):
-            part.run_compile_options = options
-        else:
-            part.compile_region(options[0], cuda_graphs=options[1])
+        return CompileOptions(
+            backend.value if backend else "inductor", self.runtime.graphed, self.runtime.chunked
+        )
 
     def output(self) -> OutputLayer:
         with seeded(self.seed, "output"):
@@ -143,12 +138,11 @@ class ModelBuilder:
         return part
 
 
-def compile_regions(module: torch.nn.Module, backend: str = "inductor") -> None:
-    """Every transformer layer and the final aggregation inside ``module`` as one compiled
-    region each, as ``runtime.compile: layer`` builds them (here with any backend)."""
-    for part in module.modules():
-        if isinstance(part, (AttnResLayer, FinalAggregation)):
-            part.compile_region(backend)
+def compile_regions(model: AttnResGPT, backend: str = "inductor") -> None:
+    """Every transformer layer and the final aggregation of ``model`` as one compiled region
+    each, as ``runtime.compile: layer`` builds them (here with any backend)."""
+    model.final.compile_region(backend)
+    model.apply_runs(CompileOptions(backend))
 
 
 def scale_norm_eps(norms: list, plan: BlockPlan, first_sublayer: int | None) -> None:
@@ -180,20 +174,26 @@ class AttnResGPT(torch.nn.Module):
         self.final = builder.final()
         if not self.tie_embeddings:
             self.output = builder.output()
-        configure_recompute(list(self.layers), recompute, recompute_interval)
-        configure_segments(list(self.layers), self.plan, final=self.final)
-        configure_compiled_runs(list(self.layers))
+        self.recompute, self.recompute_interval = recompute, recompute_interval
+        self.apply_runs(builder.compile_options)
         # DeepSpeed moves the pipeline's parts to the GPU; the single-process model moves itself
         self.device = torch.device("cuda") if builder.runtime.on_gpu else torch.device("cpu")
         self.graphed = builder.runtime.graphed  # its engine marks each step for the graph trees
         self.steady_guards = builder.runtime.steady_guards  # its engine's steps' guard stance
         self.to(self.device)
 
+    def apply_runs(self, compile: CompileOptions | None) -> None:
+        """The runs the layers are applied by: recompute and compile (``model/layer_runs.py``)."""
+        layers, plan = list(self.layers), self.plan
+        self.runs = apply_runs(
+            layers, plan, self.recompute, self.recompute_interval, compile, self.final
+        )
+
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states ``[s, b, h]`` for input ids ``[b, s]``."""
         state = self.embedding(tokens)
-        for layer in self.layers:
-            state = layer(state)
+        for run in self.runs:
+            state = run(state)
         return self.final(state)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,9 @@ autograd Function (inputs detached, a nested ``torch.autograd.backward``, output
 inputs passed through are not supported as such) and reads the CUDA generator
 unconditionally, so it neither runs on CPU nor suits the packed DepthState tensors that
 full-layer recompute returns (completed blocks pass through a group unchanged).
+
+``checkpoint_deterministic`` is the plain checkpoint for what draws no random numbers (the
+depth mix and its norm, ``recompute: attnres``), the same call eager and compiled.
 """
 
 from __future__ import annotations
@@ -68,12 +71,15 @@ def _rng_contexts():
 
 
 def checkpoint(function, *args):
-    """``function(*args)`` checkpointed (non-reentrant) with every RNG stream replayed.
-
-    Inside a compiled layer (``recompute: attnres``, the only recompute that runs there: full
-    recompute wraps whole layers from outside) the region is a depth mix and its norm, which
-    draw no random numbers: nothing to replay, and Dynamo traces a plain non-reentrant
-    checkpoint as a tagged subgraph that the backward graph recomputes."""
-    if torch.compiler.is_compiling():
-        return torch_checkpoint(function, *args, use_reentrant=False)
+    """``function(*args)`` checkpointed (non-reentrant) with every RNG stream replayed: full
+    recompute, whose layers draw dropout masks; it wraps whole layers, outside any compiled
+    region."""
     return torch_checkpoint(function, *args, use_reentrant=False, context_fn=_rng_contexts)
+
+
+def checkpoint_deterministic(function, *args):
+    """``function(*args)`` checkpointed (non-reentrant) where it draws no random numbers: the
+    depth mix and its norm (``recompute: attnres``), eager or inside a compiled layer, where
+    Dynamo traces it as a tagged subgraph that the backward graph recomputes. Nothing to
+    replay, so no generator state is saved either."""
+    return torch_checkpoint(function, *args, use_reentrant=False, preserve_rng_state=False)

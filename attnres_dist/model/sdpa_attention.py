@@ -5,11 +5,11 @@ both when ``runtime.core_attention`` resolves to ``sdpa``):
 
 * ``SdpaAttention`` for ``core_attention``: one ``scaled_dot_product_attention`` call;
 * ``SdpaSelfAttention`` for ``self_attention``: Megatron's ``SelfAttention`` with rotary
-  embeddings applied from cos/sin tables built once per angles tensor and dtype and then
-  reused by every layer and step (a compiled layer builds them in its graph; Megatron's
-  unfused path recomputes the trigonometry for q and for k in every layer, slices the rotary
-  part off and concatenates it back: two full copies per tensor that do nothing when the
-  whole head is rotated).
+  embeddings applied from cos/sin tables that the sequence context builds once per length
+  and dtype (``model/sequence_context.py``: ``RotaryTables``), reused by every layer and step
+  (Megatron's unfused path recomputes the trigonometry for q and for k in every layer, slices
+  the rotary part off and concatenates it back: two full copies per tensor that do nothing
+  when the whole head is rotated).
 
 Core attention
 --------------
@@ -24,8 +24,9 @@ fused call instead of ``baddbmm`` + mask fill + softmax + dropout + ``bmm``.
 Same math, same layout: query ``[sq, b, np, hn]``, key and value ``[sk, b, ng, hn]`` (grouped-
 query attention: query head ``i`` reads key/value group ``i // (np / ng)``, as Megatron's
 ``repeat_interleave``), output ``[sq, b, np * hn]``. The mask follows Megatron's convention,
-``True`` = masked out; the plain causal mask of ``sequence_context`` is recognised and run as
-``is_causal=True`` (no mask tensor read), any other boolean mask is passed explicitly. A row
+``True`` = masked out; no mask runs as ``is_causal=True`` (no mask tensor read: the layer
+passes none for the plain causal mask of ``sequence_context``), a boolean mask is passed
+explicitly. A row
 with every key masked gives NaN here (SDPA) where Megatron's ``-10000`` fill gives a uniform
 row; causal masks never have one.
 
@@ -54,9 +55,8 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
-from torch.utils.weak import WeakTensorKeyDictionary
 
-from attnres_dist.model.sequence_context import is_plain_causal_mask
+from attnres_dist.model.sequence_context import RotaryTables, rotary_tables
 
 
 class SdpaAttention(DotProductAttention):
@@ -92,9 +92,6 @@ class SdpaAttention(DotProductAttention):
         mask, causal = None, False
         if attention_mask is None:
             causal = self.attn_mask_type == AttnMaskType.causal and sq > 1
-        elif not torch.compiler.is_compiling() and is_plain_causal_mask(attention_mask):
-            # (a compiled caller passes a plain causal mask as None: the lookup is eager-only)
-            causal = True
         else:
             mask = ~attention_mask  # Megatron: True = masked out; SDPA: True = attends
         p = self.attention_dropout.p if self.training else 0.0
@@ -127,75 +124,53 @@ class SdpaSelfAttention(SelfAttention):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         c = self.config
-        self._tables_ok = not (c.rotary_interleaved or c.multi_latent_attention or c.no_rope_freq)
-        self._mscale = rope_mscale(c)
+        # rotates from the context's ``RotaryTables`` (``mscale``: their scale) where it can
+        self.takes_tables = not (c.rotary_interleaved or c.multi_latent_attention or c.no_rope_freq)
+        self.mscale = rope_mscale(c)
         self._rope: tuple | None = None  # (q tables, k tables) during one forward
 
     def forward(self, hidden_states, attention_mask=None, *args, rotary_pos_emb=None, **kwargs):
+        """``rotary_pos_emb``: Megatron's angles, or the context's ``RotaryTables`` (the
+        layer passes those where ``takes_tables``)."""
         fast = (
-            self._tables_ok
+            self.takes_tables
             and rotary_pos_emb is not None
             and not args
             and kwargs.get("inference_context") is None
             and kwargs.get("inference_params") is None
             and kwargs.get("packed_seq_params") is None
         )
-        if fast:
+        if fast and not isinstance(rotary_pos_emb, RotaryTables):
             q_freqs, k_freqs = (
                 rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
             )
             head_dim = self.hidden_size_per_attention_head
             fast = q_freqs.shape[-1] == head_dim and k_freqs.shape[-1] == head_dim
+            if fast:
+                tables = [
+                    rotary_tables(f, hidden_states.dtype, self.mscale) for f in (q_freqs, k_freqs)
+                ]
+                rotary_pos_emb = tables[0] if q_freqs is k_freqs else tuple(tables)
         if not fast:
             return super().forward(
                 hidden_states, attention_mask, *args, rotary_pos_emb=rotary_pos_emb, **kwargs
             )
-        self._rope = (q_freqs, k_freqs)
+        self._rope = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
         try:
             return super().forward(hidden_states, attention_mask, rotary_pos_emb=None, **kwargs)
         finally:
             self._rope = None
-
-    def _tables(self, freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """cos and signed sin ``[s, 1, 1, d]`` of Megatron's ``freqs`` (rotate-half layout) in
-        ``dtype``. Eagerly, kept per (angles tensor, dtype, scale) while the angles live: the
-        sequence context's angles are one cached tensor per length, so every layer and step
-        reads the same tables instead of redoing the trigonometry and the casts. A compiled
-        layer computes them in its graph (the compiler fuses them; a lookup would be a guard)."""
-        if torch.compiler.is_compiling():
-            return self._compute_tables(freqs, dtype)
-        key = (dtype, self._mscale)
-        cached = _TABLES.get(freqs, {}).get(key)
-        if cached is None:
-            with torch.no_grad():
-                cached = self._compute_tables(freqs, dtype)
-            if not freqs.requires_grad:
-                _TABLES.setdefault(freqs, {})[key] = cached
-        return cached
-
-    def _compute_tables(self, freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        cos = torch.cos(freqs) * self._mscale
-        sin = torch.sin(freqs) * self._mscale
-        half = freqs.shape[-1] // 2
-        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-        return cos.to(dtype), sin.to(dtype)
 
     def get_query_key_value_tensors(self, *args, **kwargs):
         out = super().get_query_key_value_tensors(*args, **kwargs)
         if self._rope is None:
             return out
         query, key, *rest = out
-        q_freqs, k_freqs = self._rope
-        q_cos, q_sin = self._tables(q_freqs, query.dtype)
-        k_cos, k_sin = self._tables(k_freqs, key.dtype)
-        return (_rotate(query, q_cos, q_sin), _rotate(key, k_cos, k_sin), *rest)
+        q_tables, k_tables = self._rope
+        return (_rotate(query, q_tables), _rotate(key, k_tables), *rest)
 
 
-# rotary tables per angles tensor (weakly held: dropped with the sequence context's angles)
-_TABLES = WeakTensorKeyDictionary()
-
-
-def _rotate(t: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``t`` ``[s, b, heads, d]`` over its whole head dimension (tables
-    already in ``t``'s dtype)."""
-    return t * cos + t.roll(t.shape[-1] // 2, dims=-1) * sin_signed
+def _rotate(t: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
+    """Rotary embedding of ``t`` ``[s, b, heads, d]`` over its whole head dimension."""
+    cos, sin = tables.cos.to(t.dtype), tables.sin.to(t.dtype)  # (no-ops where they match)
+    return t * cos + t.roll(t.shape[-1] // 2, dims=-1) * sin

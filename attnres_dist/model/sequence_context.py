@@ -5,40 +5,64 @@ computes them locally (nothing about them crosses a pipeline boundary) and cache
 The mask is always explicit: Megatron's implicit default mask is built on ``device="cuda"``.
 With Megatron's document options (``model/document_masks.py``) ``with_layout`` replaces them by
 per-sample ones: a ``[b, 1, s, s]`` mask and the rotary angles of each token's position id.
-``is_plain_causal_mask`` recognises the plain causal masks built here, so a core attention
-that has a causal fast path (``SdpaAttention``) can take it without reading the mask.
+``SequenceContext.causal`` says the mask is the plain causal one, so a core attention with a
+causal fast path (``SdpaAttention``) is passed no mask and takes it. For ``SdpaSelfAttention``
+the context also holds the rotary cos / signed-sin tables in the activations' dtype
+(``rotary_tables``), made once per length, dtype and scale with the rest of it: every layer
+and step reads the same tables, and a compiled layer takes them as inputs.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
-# id -> causal mask built here, held weakly: an entry leaves when its mask does (lru eviction),
-# so an id reused by a later tensor is never mistaken for a causal mask
-_CAUSAL_MASKS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # one object per length (and dtype): told apart by identity
 class SequenceContext:
     attention_mask: torch.Tensor  # [1 or b, 1, s, s] bool, True = masked (Megatron's convention)
     rotary_pos_emb: torch.Tensor  # [s, 1 or b, 1, head_dim]
     # the mask is the plain causal one built here (a core attention may run it as is_causal)
     causal: bool = False
+    tables: RotaryTables | None = None  # where asked for (``mscale``)
+
+
+@dataclass(frozen=True)
+class RotaryTables:
+    """``rotary_tables`` of the context's angles: what ``SdpaSelfAttention`` rotates with."""
+
+    cos: torch.Tensor  # [s, 1 or b, 1, d]
+    sin: torch.Tensor  # the same, its first half negated
+
+
+def rotary_tables(freqs: torch.Tensor, dtype: torch.dtype, mscale: float) -> RotaryTables:
+    """cos and signed sin of Megatron's rotary angles ``freqs`` (rotate-half layout), times
+    ``mscale``, in ``dtype``: ``t * cos + roll(t, d / 2) * sin`` is Megatron's
+    ``t * cos + rotate_half(t) * sin``."""
+    cos = torch.cos(freqs) * mscale
+    sin = torch.sin(freqs) * mscale
+    half = freqs.shape[-1] // 2
+    sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+    return RotaryTables(cos.to(dtype), sin.to(dtype))
 
 
 def with_layout(ctx: SequenceContext, layout) -> SequenceContext:
     """``ctx`` with a ``DocumentLayout``'s per-sample positions (and mask, when it has one)."""
     if layout is None:
         return ctx
-    table = ctx.rotary_pos_emb[:, 0, 0, :]  # [s, d]: angles of positions 0 .. s-1
-    rotary = table[layout.position_ids].transpose(0, 1).unsqueeze(2)  # [s, b, 1, d]
+
+    def per_sample(table):  # [s, 1, 1, d] of positions 0 .. s-1 -> [s, b, 1, d]
+        return table[:, 0, 0, :][layout.position_ids].transpose(0, 1).unsqueeze(2)
+
+    rotary = per_sample(ctx.rotary_pos_emb)
+    tables = ctx.tables
+    if tables is not None:
+        tables = RotaryTables(per_sample(tables.cos), per_sample(tables.sin))
     if layout.attention_mask is None:
-        return SequenceContext(ctx.attention_mask, rotary, ctx.causal)
-    return SequenceContext(layout.attention_mask, rotary)
+        return SequenceContext(ctx.attention_mask, rotary, ctx.causal, tables)
+    return SequenceContext(layout.attention_mask, rotary, tables=tables)
 
 
 def sequence_context(
@@ -47,14 +71,26 @@ def sequence_context(
     rotary_base: int,
     rope_scaling_factor: float | None = None,
     seq_dim: int = 0,
+    mscale: float | None = None,
 ) -> SequenceContext:
     """Context for hidden states shaped like ``like`` ([s, b, h], Megatron's layout; or any
     tensor with the sequence in dimension ``seq_dim``, such as a depth store ``[c, s, b, h]``
     with ``seq_dim=1``, read without taking a view of one of its rows);
-    ``rope_scaling_factor``: Llama 3's RoPE scaling (Megatron's), None = plain RoPE."""
+    ``rope_scaling_factor``: Llama 3's RoPE scaling (Megatron's), None = plain RoPE;
+    ``mscale``: the rotary tables' scale, None = no tables."""
     kv_channels = config.kv_channels or config.hidden_size // config.num_attention_heads
     seq_len = like.shape[seq_dim]
-    return _cached(seq_len, kv_channels, rotary_base, rope_scaling_factor, str(like.device))
+    ctx = _cached(seq_len, kv_channels, rotary_base, rope_scaling_factor, str(like.device))
+    if mscale is None:
+        return ctx
+    return _with_tables(ctx, like.dtype, mscale)
+
+
+@lru_cache(maxsize=16)
+def _with_tables(ctx: SequenceContext, dtype: torch.dtype, mscale: float) -> SequenceContext:
+    with torch.no_grad():
+        tables = rotary_tables(ctx.rotary_pos_emb, dtype, mscale)
+    return SequenceContext(ctx.attention_mask, ctx.rotary_pos_emb, ctx.causal, tables)
 
 
 @lru_cache(maxsize=16)
@@ -75,10 +111,4 @@ def _cached(
         emb = rope(seq_len).to(device)
         mask = torch.triu(torch.ones(seq_len, seq_len, device=device), diagonal=1).bool()
     mask = mask[None, None]
-    _CAUSAL_MASKS[id(mask)] = mask
     return SequenceContext(mask, emb, causal=True)
-
-
-def is_plain_causal_mask(mask: torch.Tensor) -> bool:
-    """True if ``mask`` is a causal mask built by ``sequence_context`` (an identity check)."""
-    return _CAUSAL_MASKS.get(id(mask)) is mask

@@ -1,14 +1,19 @@
-"""Two-phase depth attention on Triton kernels: autograd functions and the one-pass op.
+"""Two-phase depth attention on Triton kernels, registered as PyTorch custom ops.
 
 ``phase1(blocks, queries, norm_weights, eps) -> (out1, lse)`` attends the ``S`` pseudo-queries
 of one block's sublayers over the contiguous store of completed blocks; ``phase2(out1, lse,
 extra, query, norm_weight, eps) -> out`` merges one sublayer's sources outside the store (the
-partial block) by online softmax and casts once. Both are ``torch.autograd.Function``s whose
-forward and backward run the kernels of :mod:`attnres_dist.ops.triton_kernels`.
+partial block) by online softmax and casts once. The kernels of
+:mod:`attnres_dist.ops.triton_kernels` run inside ``torch.library.triton_op``s
+(``attnres::triton_phase1``, ``attnres::triton_phase2`` and their backwards) whose gradients
+are registered with ``register_autograd``: eager calls and compiled graphs run the same
+kernels, and the compiler sees them (no graph break). The ops take the queries' products with
+their gains, ``u = g * w``, formed in torch around them, so autograd carries ``du`` back to
+both.
 
-Saved for backward: phase 1 keeps the store itself (no copy), the queries, gains and its own
-outputs ``out1`` / ``lse`` (alive anyway until phase 2's backward); phase 2 keeps its inputs and
-one float per token (the merged log-sum-exp). No normalised keys, logits or ``[S, n, T, D]``
+Saved for backward: phase 1 keeps the store itself (no copy), ``u`` and its own outputs
+``out1`` / ``lse`` (alive anyway until phase 2's backward); phase 2 keeps its inputs and one
+float per token (the merged log-sum-exp). No normalised keys, logits or ``[S, n, T, D]``
 intermediates are kept; backward recomputes ``r`` and the logits from the sources.
 
 ``one_pass`` is the registry's one-pass function built from them (stack the sources, phase 1
@@ -23,7 +28,7 @@ from contextlib import nullcontext
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
+from torch.library import triton_op, wrap_triton
 
 from attnres_dist.ops import triton_kernels as K
 from attnres_dist.ops.depth_attention import one_pass_adapter
@@ -75,7 +80,7 @@ def _check_phase2(out1: Tensor, lse: Tensor, extra: Tensor, query: Tensor, weigh
 def _launch(kernel, grid, device: torch.device, *args, **meta) -> None:
     # Triton launches on the current CUDA device: make it the tensors' one.
     with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
-        kernel[grid](*args, **meta)
+        wrap_triton(kernel)[grid](*args, **meta)
 
 
 def _launch_groups(num_queries: int, tokens: int, dim: int):
@@ -85,116 +90,129 @@ def _launch_groups(num_queries: int, tokens: int, dim: int):
     return groups, block_s, block_t, block_d, warps
 
 
-class _Phase1(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, blocks, queries, norm_weights, eps):
-        n, dim = blocks.shape[0], blocks.shape[-1]
-        batch = blocks.shape[1:-1]
-        store = blocks.contiguous()  # the contiguous store: a no-op
-        tokens = store[0].numel() // dim
-        u = (norm_weights.float() * queries.float()).contiguous()
-        num_q = u.shape[0]
-        out1 = torch.empty(num_q, tokens, dim, dtype=torch.float32, device=store.device)
-        lse = torch.empty(num_q, tokens, dtype=torch.float32, device=store.device)
-        groups, block_s, block_t, block_d, warps = _launch_groups(num_q, tokens, dim)
-        grid = (triton_cdiv(tokens, block_t),)
-        for s0, s1 in groups:
-            _launch(K.phase1_fwd_kernel(), grid, store.device,
-                store, u[s0:s1], out1[s0:s1], lse[s0:s1], n, tokens, dim, s1 - s0, float(eps),
-                BLOCK_S=block_s, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
-            )  # fmt: skip
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(store, queries, norm_weights, u, out1, lse)
-        ctx.eps, ctx.batch = float(eps), batch
-        return out1.view(num_q, *batch, dim), lse.view(num_q, *batch)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, g_out1, g_lse):
-        store, queries, norm_weights, u, out1, lse = ctx.saved_tensors
-        n, dim = store.shape[0], store.shape[-1]
-        num_q, tokens = out1.shape[0], out1.shape[1]
-        if g_out1 is None and g_lse is None:
-            return None, None, None, None
-        if g_out1 is None:
-            g_out1 = torch.zeros_like(out1)
-        g_out1 = g_out1.reshape(num_q, tokens, dim).contiguous()
-        has_g_lse = g_lse is not None
-        g_lse = g_lse.reshape(num_q, tokens).float().contiguous() if has_g_lse else lse
-        groups, block_s, block_t, block_d, warps = _launch_groups(num_q, tokens, dim)
-        # Several query groups add into one gradient: accumulate it in float32.
-        acc_dtype = store.dtype if len(groups) == 1 else torch.float32
-        d_blocks = torch.empty(store.shape, dtype=acc_dtype, device=store.device)
-        tiles = triton_cdiv(tokens, block_t)
-        programs = K.persistent_programs(tiles, store.device)
-        du = torch.empty(num_q, dim, dtype=torch.float32, device=store.device)
-        for i, (s0, s1) in enumerate(groups):
-            part = torch.empty(programs, s1 - s0, dim, dtype=torch.float32, device=store.device)
-            _launch(K.phase1_bwd_kernel(), (programs,), store.device,
-                store, u[s0:s1], out1[s0:s1], lse[s0:s1], g_out1[s0:s1], g_lse[s0:s1],
-                d_blocks, part, n, tokens, dim, s1 - s0, ctx.eps, tiles,
-                HAS_G_LSE=has_g_lse, ACCUMULATE=i > 0,
-                BLOCK_S=block_s, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
-            )  # fmt: skip
-            du[s0:s1] = part.sum(dim=0)
-        need_b, need_q, need_g = ctx.needs_input_grad[:3]
-        d_blocks = d_blocks.to(store.dtype) if need_b else None
-        dq = (du * norm_weights.float()).to(queries.dtype) if need_q else None
-        dg = (du * queries.float()).to(norm_weights.dtype) if need_g else None
-        return d_blocks, dq, dg, None
-
-
-class _Phase2(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, out1, lse, extra, query, norm_weight, eps):
-        m, dim = extra.shape[0], extra.shape[-1]
-        sources = extra.contiguous()
-        tokens = sources[0].numel() // dim
-        o1 = out1.reshape(tokens, dim).float().contiguous()
-        z = lse.reshape(tokens).float().contiguous()
-        u = (norm_weight.float() * query.float()).contiguous()
-        out = torch.empty(tokens, dim, dtype=extra.dtype, device=extra.device)
-        lse_tot = torch.empty(tokens, dtype=torch.float32, device=extra.device)
-        _, block_t, block_d = K.tile_sizes(1, tokens, dim)
-        _launch(K.phase2_fwd_kernel(), (triton_cdiv(tokens, block_t),), extra.device,
-            o1, z, sources, u, out, lse_tot, m, tokens, dim, float(eps),
-            BLOCK_T=block_t, BLOCK_D=block_d, num_warps=K.num_warps(block_t * block_d),
+@triton_op("attnres::triton_phase1", mutates_args=())
+def _phase1(store: Tensor, u: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``out1`` ``[S, T, D]`` and ``lse`` ``[S, T]`` (float32) of the contiguous store
+    ``[n, *batch, D]`` under ``u`` ``[S, D]`` (float32)."""
+    n, dim = store.shape[0], store.shape[-1]
+    tokens = store[0].numel() // dim
+    num_q = u.shape[0]
+    out1 = torch.empty(num_q, tokens, dim, dtype=torch.float32, device=store.device)
+    lse = torch.empty(num_q, tokens, dtype=torch.float32, device=store.device)
+    groups, block_s, block_t, block_d, warps = _launch_groups(num_q, tokens, dim)
+    grid = (triton_cdiv(tokens, block_t),)
+    for s0, s1 in groups:
+        _launch(K.phase1_fwd_kernel(), grid, store.device,
+            store, u[s0:s1], out1[s0:s1], lse[s0:s1], n, tokens, dim, s1 - s0, eps,
+            BLOCK_S=block_s, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
         )  # fmt: skip
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(o1, z, lse_tot, sources, query, norm_weight, u)
-        ctx.eps, ctx.shape, ctx.out1_dtype = float(eps), out1.shape, out1.dtype
-        return out.view(extra.shape[1:])
+    return out1, lse
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        if grad_out is None:
-            return None, None, None, None, None, None
-        o1, z, lse_tot, sources, query, norm_weight, u = ctx.saved_tensors
-        tokens, dim = o1.shape
-        grad = grad_out.reshape(tokens, dim).contiguous()
-        _, block_t, block_d = K.tile_sizes(1, tokens, dim)
-        tiles = triton_cdiv(tokens, block_t)
-        programs = K.persistent_programs(tiles, o1.device)
-        d_out1 = torch.empty_like(o1)
-        d_lse = torch.empty_like(z)
-        d_extra = torch.empty_like(sources)
-        part = torch.empty(programs, dim, dtype=torch.float32, device=o1.device)
-        _launch(K.phase2_bwd_kernel(), (programs,), o1.device,
-            grad, o1, z, lse_tot, sources, u, d_out1, d_lse, d_extra, part,
-            sources.shape[0], tokens, dim, ctx.eps, tiles,
-            BLOCK_T=block_t, BLOCK_D=block_d, num_warps=K.num_warps(block_t * block_d),
+
+@triton_op("attnres::triton_phase1_backward", mutates_args=())
+def _phase1_backward(
+    store: Tensor,
+    u: Tensor,
+    out1: Tensor,
+    lse: Tensor,
+    g_out1: Tensor,
+    g_lse: Tensor | None,
+    eps: float,
+) -> tuple[Tensor, Tensor]:
+    """The gradients of the store (its dtype) and of ``u`` (float32)."""
+    n, dim = store.shape[0], store.shape[-1]
+    num_q, tokens = out1.shape[0], out1.shape[1]
+    has_g_lse = g_lse is not None
+    g_lse = g_lse if has_g_lse else lse  # (not read)
+    groups, block_s, block_t, block_d, warps = _launch_groups(num_q, tokens, dim)
+    # Several query groups add into one gradient: accumulate it in float32.
+    acc_dtype = store.dtype if len(groups) == 1 else torch.float32
+    d_blocks = torch.empty(store.shape, dtype=acc_dtype, device=store.device)
+    tiles = triton_cdiv(tokens, block_t)
+    programs = K.persistent_programs(tiles, store.device)
+    du = torch.empty(num_q, dim, dtype=torch.float32, device=store.device)
+    for i, (s0, s1) in enumerate(groups):
+        part = torch.empty(programs, s1 - s0, dim, dtype=torch.float32, device=store.device)
+        _launch(K.phase1_bwd_kernel(), (programs,), store.device,
+            store, u[s0:s1], out1[s0:s1], lse[s0:s1], g_out1[s0:s1], g_lse[s0:s1],
+            d_blocks, part, n, tokens, dim, s1 - s0, eps, tiles,
+            HAS_G_LSE=has_g_lse, ACCUMULATE=i > 0,
+            BLOCK_S=block_s, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
         )  # fmt: skip
-        du = part.sum(dim=0)
-        need = ctx.needs_input_grad
-        return (
-            d_out1.view(ctx.shape).to(ctx.out1_dtype) if need[0] else None,
-            d_lse.view(ctx.shape[:-1]) if need[1] else None,
-            d_extra.view(sources.shape) if need[2] else None,
-            (du * norm_weight.float()).to(query.dtype) if need[3] else None,
-            (du * query.float()).to(norm_weight.dtype) if need[4] else None,
-            None,
-        )
+        du[s0:s1] = part.sum(dim=0)
+    return d_blocks.to(store.dtype), du
+
+
+def _phase1_setup(ctx, inputs, output):
+    store, u, eps = inputs
+    ctx.save_for_backward(store, u, *output)
+    ctx.eps = eps
+
+
+def _phase1_grad(ctx, g_out1, g_lse):
+    store, u, out1, lse = ctx.saved_tensors
+    g_out1 = torch.zeros_like(out1) if g_out1 is None else g_out1.contiguous()
+    g_lse = None if g_lse is None else g_lse.float().contiguous()
+    d_blocks, du = _phase1_backward(store, u, out1, lse, g_out1, g_lse, ctx.eps)
+    return d_blocks, du, None
+
+
+_phase1.register_autograd(_phase1_grad, setup_context=_phase1_setup)
+
+
+@triton_op("attnres::triton_phase2", mutates_args=())
+def _phase2(o1: Tensor, z: Tensor, sources: Tensor, u: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The merge ``[T, D]`` (the sources' dtype) of phase 1's ``o1`` ``[T, D]`` and ``z``
+    ``[T]`` (float32) with the contiguous ``sources`` ``[m, *batch, D]`` under ``u`` ``[D]``
+    (float32), and the merged log-sum-exp ``[T]``."""
+    m, dim = sources.shape[0], sources.shape[-1]
+    tokens = o1.shape[0]
+    out = torch.empty(tokens, dim, dtype=sources.dtype, device=sources.device)
+    lse_tot = torch.empty(tokens, dtype=torch.float32, device=sources.device)
+    _, block_t, block_d = K.tile_sizes(1, tokens, dim)
+    _launch(K.phase2_fwd_kernel(), (triton_cdiv(tokens, block_t),), sources.device,
+        o1, z, sources, u, out, lse_tot, m, tokens, dim, eps,
+        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=K.num_warps(block_t * block_d),
+    )  # fmt: skip
+    return out, lse_tot
+
+
+@triton_op("attnres::triton_phase2_backward", mutates_args=())
+def _phase2_backward(
+    grad: Tensor, o1: Tensor, z: Tensor, lse_tot: Tensor, sources: Tensor, u: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of ``o1``, ``z`` (float32), the sources (their dtype) and ``u``."""
+    tokens, dim = o1.shape
+    _, block_t, block_d = K.tile_sizes(1, tokens, dim)
+    tiles = triton_cdiv(tokens, block_t)
+    programs = K.persistent_programs(tiles, o1.device)
+    d_out1 = torch.empty_like(o1)
+    d_lse = torch.empty_like(z)
+    d_extra = torch.empty_like(sources)
+    part = torch.empty(programs, dim, dtype=torch.float32, device=o1.device)
+    _launch(K.phase2_bwd_kernel(), (programs,), o1.device,
+        grad, o1, z, lse_tot, sources, u, d_out1, d_lse, d_extra, part,
+        sources.shape[0], tokens, dim, eps, tiles,
+        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=K.num_warps(block_t * block_d),
+    )  # fmt: skip
+    return d_out1, d_lse, d_extra, part.sum(dim=0)
+
+
+def _phase2_setup(ctx, inputs, output):
+    o1, z, sources, u, eps = inputs
+    ctx.save_for_backward(o1, z, output[1], sources, u)
+    ctx.eps = eps
+
+
+def _phase2_grad(ctx, grad_out, _grad_lse):
+    o1, z, lse_tot, sources, u = ctx.saved_tensors
+    if grad_out is None:
+        return None, None, None, None, None
+    grad = grad_out.contiguous()
+    return (*_phase2_backward(grad, o1, z, lse_tot, sources, u, ctx.eps), None)
+
+
+_phase2.register_autograd(_phase2_grad, setup_context=_phase2_setup)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -211,7 +229,9 @@ def phase1(
     tensor arguments.
     """
     _check_phase1(blocks, queries, norm_weights)
-    return _Phase1.apply(blocks, queries, norm_weights, eps)
+    u = (norm_weights.float() * queries.float()).contiguous()
+    out1, lse = _phase1(blocks.contiguous(), u, float(eps))  # the contiguous store: a no-op
+    return out1.view(u.shape[0], *blocks.shape[1:]), lse.view(u.shape[0], *blocks.shape[1:-1])
 
 
 def phase2(
@@ -228,7 +248,12 @@ def phase2(
     has ``extra``'s dtype. Differentiable w.r.t. every tensor argument.
     """
     _check_phase2(out1, lse, extra, query, norm_weight)
-    return _Phase2.apply(out1, lse, extra, query, norm_weight, eps)
+    dim = extra.shape[-1]
+    o1 = out1.reshape(-1, dim).float().contiguous()
+    z = lse.reshape(-1).float().contiguous()
+    u = (norm_weight.float() * query.float()).contiguous()
+    out, _ = _phase2(o1, z, extra.contiguous(), u, float(eps))
+    return out.view(extra.shape[1:])
 
 
 @one_pass_adapter

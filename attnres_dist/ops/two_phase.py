@@ -50,16 +50,29 @@ def _key_stats(flat: Tensor, eps: float) -> Tensor:
     return torch.linalg.vector_norm(flat, dim=-1).square_().mul_(1.0 / dim).add_(eps).rsqrt_()
 
 
-def _matmul(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` for ``[..., M, K] x [..., K, N]``. Traced by the compiler, written as a
-    broadcast product summed over ``K``: every product here has a side of S or n (a few
-    queries or blocks), so it is bound by the bytes it reads, and inductor fuses the sum
-    with the elementwise work around it into its own kernel instead of calling a separate
-    matmul (one launch and one host call fewer each: 45 a Block step at 12 layers). Eager,
-    the matmul: the broadcast product would be materialised."""
+def _matmul(a: Tensor, b: Tensor, into: Tensor | None = None) -> Tensor:
+    """``a @ b`` for ``[..., M, K] x [..., K, N]`` (``into``: added to it, in place where it
+    can be). Traced by the compiler, written as a broadcast product summed over ``K``: every
+    product here has a side of S or n (a few queries or blocks), so it is bound by the bytes
+    it reads, and inductor fuses the sum with the elementwise work around it into its own
+    kernel instead of calling a separate matmul (one launch and one host call fewer each:
+    docs/compile.md). Eager, the matmul: the broadcast product would be materialised. The one
+    two places this backend asks whether it is traced (``_block_major_sum``)."""
     if torch.compiler.is_compiling():
-        return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
-    return torch.matmul(a, b)
+        out = (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
+        return out if into is None else into + out
+    return torch.matmul(a, b) if into is None else into.addmm_(a, b)
+
+
+def _block_major_sum(mix: Tensor, b: Tensor, coef: Tensor) -> Tensor:
+    """``mix + b * coef`` laid out as ``b`` (block-major) where ``mix`` is a token-major view:
+    eager, one ``addcmul`` into a tensor like ``b`` (the plain sum would take ``mix``'s layout
+    and the reshape after it a copy: 20% more time, docs/kernels.md). Traced, the plain sum:
+    inductor gives an ``out=`` tensor the layout of the sum, which the view after it cannot
+    read."""
+    if torch.compiler.is_compiling():
+        return torch.addcmul(mix, b, coef).contiguous()
+    return torch.addcmul(mix, b, coef, out=torch.empty_like(b))
 
 
 def check_packed(blocks: Tensor, weights: Tensor) -> None:
@@ -171,14 +184,8 @@ class _Phase1(torch.autograd.Function):
             else:
                 # the token-major product, made block-major by the add that follows it
                 mix = _matmul(p.transpose(0, 1), g_t).transpose(0, 1)  # [n, T, D] view
-                # (traced, the out= tensor's strides are the compiler's: the plain sum)
-                out = None if torch.compiler.is_compiling() else torch.empty_like(b)
-                gb = torch.addcmul(mix, b, coef, out=out)
-            flat = gb.reshape(n * tokens, dim)
-            if torch.compiler.is_compiling():
-                flat = flat + _matmul(d_raw.reshape(n * tokens, s), u)
-            else:
-                flat.addmm_(d_raw.reshape(n * tokens, s), u)
+                gb = _block_major_sum(mix, b, coef)
+            flat = _matmul(d_raw.reshape(n * tokens, s), u, into=gb.view(n * tokens, dim))
             grad_b = flat.to(blocks.dtype).view(blocks.shape)
         if need_w:
             du = _matmul(d_raw.reshape(n * tokens, s).t(), b.reshape(n * tokens, dim))  # [S, D]

@@ -26,12 +26,11 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from attnres_dist.model import dropout_streams
-from attnres_dist.model.attnres_layer import configure_compiled_runs, configure_recompute
-from attnres_dist.model.depth_mixing import configure_segments
 from attnres_dist.model.depth_state import DepthState
 from attnres_dist.model.document_masks import document_layout
 from attnres_dist.model.embedding_head import lm_loss
 from attnres_dist.model.gpt import ModelBuilder
+from attnres_dist.model.layer_runs import CompileOptions, LayerRun, apply_runs
 from attnres_dist.pipeline.contract import pack, unpack
 
 
@@ -49,12 +48,20 @@ def _tied_head(module: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
 
 
 class LayerPipe(torch.nn.Module):
+    """One transformer layer in the pipeline's list; ``run``: the run it leads (recompute,
+    compile: ``model/layer_runs.py``), or None where an earlier layer's run applies it."""
+
     def __init__(self, builder: ModelBuilder, index: int):
         super().__init__()
         self.block = builder.layer(index)
+        self.run: LayerRun | None = LayerRun([self.block], builder.plan)
 
     def forward(self, state: DepthState) -> DepthState:
-        return self.block(state)
+        if self.run is None:  # applied by its run's first layer
+            if state.layers_done <= self.block.layer_index:
+                raise RuntimeError(f"layer {self.block.layer_index} was not applied by its run")
+            return state
+        return self.run(state)
 
 
 class FinalPipe(torch.nn.Module):
@@ -116,14 +123,21 @@ def pipeline_module_args(builder: ModelBuilder, topology) -> dict:
     )
 
 
-def configure_local_layers(funcs, plan, recompute: str, recompute_interval: int) -> None:
-    """Recompute, two-phase segments and compiled runs (``runtime.compile: chunk``) for the
-    transformer layers among one stage's parts (one chunk's)."""
-    layers = [f.block for f in funcs if isinstance(f, LayerPipe)]
-    configure_recompute(layers, recompute, recompute_interval)
+def configure_local_layers(
+    funcs, plan, recompute: str, recompute_interval: int, compile: CompileOptions | None
+) -> None:
+    """The runs (recompute, two-phase segments, compiled regions: ``model/layer_runs.py``) of
+    the transformer layers among one stage's parts (one chunk's), each given to the
+    ``LayerPipe`` of its first layer."""
+    pipes = [f for f in funcs if isinstance(f, LayerPipe)]
     finals = [f.final for f in funcs if isinstance(f, FinalPipe)]
-    configure_segments(layers, plan, final=finals[0] if finals else None)
-    configure_compiled_runs(layers)
+    layers = [pipe.block for pipe in pipes]
+    runs = apply_runs(
+        layers, plan, recompute, recompute_interval, compile, finals[0] if finals else None
+    )
+    leads = {id(run.layers[0]): run for run in runs}
+    for pipe in pipes:
+        pipe.run = leads.get(id(pipe.block))
 
 
 class SteadyMode:
@@ -159,7 +173,9 @@ class AttnResPipelineModule(SteadyMode, PipelineModule):
         self.plan = builder.plan
         self.documents = builder.documents
         super().__init__(**pipeline_module_args(builder, topology))
-        configure_local_layers(self.forward_funcs, self.plan, recompute, recompute_interval)
+        configure_local_layers(
+            self.forward_funcs, self.plan, recompute, recompute_interval, builder.compile_options
+        )
 
     def _partition_layers(self, method="fixed"):
         if len(self._fixed_parts) != self.num_stages + 1:

@@ -49,7 +49,9 @@ class VirtualPipelineModule(SteadyMode, PipelineModule):
         self.micro_batch = 0
         super().__init__(**pipeline_module_args(builder, topology))
         for funcs in self.phase_funcs:
-            configure_local_layers(funcs, self.plan, recompute, recompute_interval)
+            configure_local_layers(
+                funcs, self.plan, recompute, recompute_interval, builder.compile_options
+            )
 
     # -- layout ----------------------------------------------------------------------------
 
