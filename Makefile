@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
 NPROC  ?= 2
 
-.PHONY: setup train train-single test lint bench clean study gpu-wheels gpu-check gpu-check-dry \
+.PHONY: setup train train-single test test-full test-rest lint bench clean study gpu-wheels gpu-check gpu-check-dry \
         gpu-study gpu-speed
 
 setup: $(STAMP)
@@ -38,9 +38,25 @@ train-single: setup
 # The package, its tests and the measurement harness (which the wheel does not ship).
 LINTED := attnres_dist bench gpu_check studies tests
 
+# The tiers and their budgets: tests/tiers.py. `make test` is the fast tier (every capability,
+# 15 min on 2 cores), `make test-full` every test, `make test-rest` the full tier's tests that
+# the fast one leaves out (CI runs it after `make test`). Each ends with its wall time and its
+# slowest tests. The compilers' caches live outside the clone, so a fresh clone on a machine
+# that ran the suite before finds its compiled graphs and kernels (docs/testing.md).
+PYTEST = TORCHINDUCTOR_CACHE_DIR=$(or $(TORCHINDUCTOR_CACHE_DIR),$(HOME)/.cache/attnres_dist/inductor) \
+         TRITON_CACHE_DIR=$(or $(TRITON_CACHE_DIR),$(HOME)/.cache/attnres_dist/triton) \
+         $(PY) -m pytest -q -p no:cacheprovider --durations=30
+
 test: setup
 	$(VENV)/bin/ruff check $(LINTED)
-	$(PY) -m pytest -q -p no:cacheprovider --durations=30 $(PYTEST_ARGS)
+	$(PYTEST) --tier fast $(PYTEST_ARGS)
+
+test-full: setup
+	$(VENV)/bin/ruff check $(LINTED)
+	$(PYTEST) --tier full $(PYTEST_ARGS)
+
+test-rest: setup
+	$(PYTEST) --tier rest $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check $(LINTED)

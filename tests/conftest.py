@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
@@ -76,16 +77,61 @@ def machine(monkeypatch):
     return configure
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--tier",
+        choices=("fast", "rest", "full"),
+        default="full",
+        help="fast: make test's tier; rest: the full tier's tests that are not fast; full: all "
+        "(tests/tiers.py)",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
-    """``@pytest.mark.cuda`` tests need a GPU: skipped, with the reason, where there is none."""
+    """Keep the tests of the tier asked for (``--tier``, ``tests/tiers.py``); ``@pytest.mark.cuda``
+    tests need a GPU: skipped, with the reason, where there is none."""
     import torch
 
+    select_tier(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run by make gpu-check)")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def select_tier(config, items) -> None:
+    """Deselect what ``--tier`` leaves out; a fast entry of ``tiers.FILES`` that names no test of
+    its file is an error, so the fast tier cannot lose a test to a rename."""
+    from tests import tiers
+
+    # files collected in part (a test named on the command line) are not checked for names
+    partial = {Path(arg.split("::")[0]).name for arg in config.args if "::" in arg}
+    names: dict[str, list[str]] = {}
+    for item in items:
+        names.setdefault(item.path.name, []).append(item.name)
+    for file, found in names.items():
+        if file not in tiers.FILES:
+            raise pytest.UsageError(f"tests/{file} is in no tier: assign it in tests/tiers.py")
+        entries = tiers.FILES[file]
+        stale = (
+            []
+            if isinstance(entries, str)
+            else [e for e in entries if not any(tiers.matches(e, n) for n in found)]
+        )
+        if stale and file not in partial:
+            raise pytest.UsageError(f"tests/tiers.py names tests {file} does not have: {stale}")
+    tier = config.getoption("--tier")
+    if tier == "full":
+        return
+    keep, drop = [], []
+    for item in items:
+        fast = tiers.is_fast(item.path.name, item.name)
+        (keep if fast == (tier == "fast") else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.fixture(scope="session")
@@ -131,3 +177,17 @@ def run_job(args: list[str], nproc: int = 1, timeout: int = 600, env: dict | Non
             + "\n".join(lines[-40:])
         )
     return proc
+
+
+def pytest_sessionstart(session):
+    session.config._tier_started = time.monotonic()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The tier's wall time beside its budget (``tiers.py``), after the slowest tests."""
+    from tests import tiers
+
+    tier = config.getoption("--tier")
+    wall = time.monotonic() - getattr(config, "_tier_started", time.monotonic())
+    budget = {"fast": f", budget {tiers.FAST_BUDGET_S} s with set-up"}.get(tier, "")
+    terminalreporter.write_line(f"tier {tier}: {wall:.0f} s of wall time{budget}")

@@ -65,10 +65,9 @@ def train_case(tmp_path, name: str, args: list[str], nproc: int) -> dict:
 
 
 def reference_runs(data: str, tmp) -> dict:
-    """The single-process run of every residual mode: the references of the layout grids."""
-    return {
-        mode: train_case(tmp, mode, overrides(data, mode, str(tmp / mode)), 1) for mode in MODES
-    }
+    """The single-process run of every residual mode (one process): the grids' references."""
+    runs = train_cases(tmp, {mode: overrides(data, mode, str(tmp / mode)) for mode in MODES}, 1)
+    return {mode: result_of(runs, mode) for mode in MODES}
 
 
 def single_process_reference(data: str, tmp_path, mode: str = "block", **extra) -> dict:
@@ -99,3 +98,51 @@ def assert_matches(result: dict, reference: dict, label: str) -> None:
     )
     for name, ref in reference["params"].items():
         torch.testing.assert_close(result["params"][name], ref, atol=TOL, rtol=TOL, msg=name)
+
+
+def train_cases(tmp_path, cases: dict[str, list[str]], nproc: int) -> dict[str, dict | str]:
+    """Train ``cases`` (name -> overrides) one after the other in one launch of ``nproc`` ranks
+    (``workers/train_cases.py``). Each name maps to its result, or to why it has none: its own
+    traceback, or the case that stopped the launch before it."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    spec = tmp_path / "cases.json"
+    spec.write_text(json.dumps(cases))
+    try:
+        run_job(["tests/workers/train_cases.py", str(tmp_path), str(spec)], nproc=nproc)
+        stopped = ""
+    except AssertionError as launch_error:
+        stopped = str(launch_error)
+    results: dict[str, dict | str] = {}
+    failed = None
+    for name in cases:
+        errors = sorted(tmp_path.glob(f"{name}.error.*"))
+        out = tmp_path / f"{name}.pt"
+        if errors:
+            failed = name
+            # the rank that failed first, before the ones that lost it as a peer
+            texts = sorted((e.read_text() for e in errors), key=lambda t: "closed by peer" in t)
+            results[name] = "\n".join(texts)
+        elif out.exists() and failed is None:
+            results[name] = torch.load(out)
+        else:
+            where = f"at case {failed}" if failed else "before this case"
+            results[name] = f"not run: the launch stopped {where}\n{stopped}"
+    return results
+
+
+def result_of(results: dict[str, dict | str], name: str) -> dict:
+    """The case's result, or the test fails with why there is none."""
+    result = results[name]
+    if isinstance(result, str):
+        raise AssertionError(f"case {name} has no result:\n{result}")
+    return result
+
+
+def selected_params(request, test_name: str) -> list[dict]:
+    """The parameters of each selected case of ``test_name`` in the requesting module: what a
+    module's shared launch trains (a case deselected by tier, ``-k`` or a named node is not)."""
+    return [
+        item.callspec.params
+        for item in request.session.items
+        if item.module is request.module and item.originalname == test_name
+    ]

@@ -194,7 +194,10 @@ class Segment:
             options["first_norm"] = (self.first_norm.weight, self.first_norm.eps)
         out1, lse = op.phase1(store, _stacked_weights(self.mixers), eps, **options)
         cache = Phase1Cache(self.first, self.rows, tuple(out1), tuple(lse), first_normed=normed)
-        return replace(state, phase1=cache)
+        state = replace(state, phase1=cache)
+        # in a compiled region, a checkpointed merge that reads an unbound piece of phase 1's
+        # product is a graph AOTAutograd cannot partition (docs/compile.md)
+        return state.with_contiguous_phase1() if state.functional else state
 
 
 def configure_segments(layers: list, plan: BlockPlan, final=None, groups=None) -> None:

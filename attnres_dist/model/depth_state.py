@@ -362,10 +362,9 @@ class DepthState:
 
     def with_contiguous_phase1(self) -> DepthState:
         """The state with its phase-1 results contiguous: as a compiled region hands them
-        on, and as a chunk's region hands them from one layer to the next inside its graph
-        (there, a checkpointed merge reading a phase-1 result as an unbound piece of phase 1's
-        product is a graph AOTAutograd cannot partition: the ``unbind`` must be saved and
-        cannot be)."""
+        on, and as a segment inside a region makes them (there, a checkpointed merge reading a
+        phase-1 result as an unbound piece of phase 1's product is a graph AOTAutograd cannot
+        partition: the ``unbind`` must be saved and cannot be)."""
         phase1 = self.phase1
         if phase1 is None:
             return self

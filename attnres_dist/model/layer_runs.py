@@ -88,7 +88,7 @@ class LayerRun:
         """Every layer's sublayers on ``state``: the region ``chunk`` compiles (no dropout:
         ``runtime.compile: chunk`` refuses it, each layer seeds its own streams)."""
         for layer in self.layers:
-            state = layer.sublayers(state, ctx).with_contiguous_phase1()
+            state = layer.sublayers(state, ctx)
             state = replace(state, layers_done=layer.layer_index + 1)
         return state
 
