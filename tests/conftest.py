@@ -3,6 +3,7 @@ simulated machine for the runtime selection (``machine``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -145,6 +146,19 @@ def small_dataset(tmp_path_factory) -> str:
     return prepare_dataset(files, str(out), build_tokenizer("bytes", None), valid_fraction=0.1)
 
 
+LAUNCH_LOG = os.environ.get("ATTNRES_LAUNCH_LOG")  # optional: one JSON line per launch
+
+
+def log_launch(args: list[str], nproc: int, wall: float) -> None:
+    """Append the launch (test, script, ranks, wall seconds) to ``ATTNRES_LAUNCH_LOG``, if set:
+    where the suite's time goes (docs/testing.md)."""
+    if LAUNCH_LOG:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+        line = {"test": test, "script": args[0], "nproc": nproc, "wall": round(wall, 2)}
+        with open(LAUNCH_LOG, "a") as fh:
+            fh.write(json.dumps(line) + "\n")
+
+
 def run_job(args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None):
     """Run ``python args...`` in one process, or under torchrun with ``nproc`` ranks."""
     full_env = child_env()
@@ -164,9 +178,11 @@ def run_job(args: list[str], nproc: int = 1, timeout: int = 600, env: dict | Non
             f"--master_port={free_port()}",
             *args,
         ]
+    started = time.monotonic()
     proc = subprocess.run(
         cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout
     )
+    log_launch(args, nproc, time.monotonic() - started)
     if proc.returncode != 0:
         lines = proc.stderr.splitlines()
         causes = [ln for ln in lines if any(k in ln for k in ("Error", "what()", "error:"))]
@@ -183,6 +199,7 @@ def pytest_sessionstart(session):
     session.config._tier_started = time.monotonic()
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """The tier's wall time beside its budget (``tiers.py``), after the slowest tests."""
     from tests import tiers

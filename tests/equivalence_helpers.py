@@ -142,7 +142,7 @@ def selected_params(request, test_name: str) -> list[dict]:
     """The parameters of each selected case of ``test_name`` in the requesting module: what a
     module's shared launch trains (a case deselected by tier, ``-k`` or a named node is not)."""
     return [
-        item.callspec.params
+        item.callspec.params if hasattr(item, "callspec") else {}
         for item in request.session.items
         if item.module is request.module and item.originalname == test_name
     ]

@@ -44,8 +44,11 @@ from attnres_dist.runtime.select import select_runtime
 from tests.equivalence_helpers import (
     assert_matches,
     overrides,
+    result_of,
+    selected_params,
     single_process_reference,
     train_case,
+    train_cases,
 )
 from tests.tiny_model import VOCAB, build_selected, randomize_mixers, tiny_overrides
 
@@ -290,28 +293,38 @@ def eager_reference(small_dataset, tmp_path_factory):
     return single_process_reference(small_dataset, tmp_path_factory.mktemp("eager"), **PIPELINE)
 
 
+@pytest.fixture(scope="module")
+def compiled_runs(small_dataset, tmp_path_factory, request):
+    """The selected two-rank compiled cases of this module, in one launch."""
+    tmp = tmp_path_factory.mktemp("compiled")
+    cases = {}
+    for params in selected_params(request, "test_pipeline_compiled_matches_eager"):
+        extra, backend = SCHEDULES[params["schedule"]]
+        args = overrides(small_dataset, "block", str(tmp / params["schedule"]), pp=2, **PIPELINE)
+        compiled = ["runtime.compile=layer", f"runtime.compile_backend={backend}"]
+        cases[params["schedule"]] = [*args, *extra, *compiled]
+    if selected_params(request, "test_tensor_parallel_compiled_matches_eager"):
+        args = overrides(small_dataset, "block", str(tmp / "tp2"), tp=2, **PIPELINE)
+        cases["tp2"] = [*args, "runtime.compile=layer", "runtime.compile_backend=inductor"]
+    return train_cases(tmp, cases, nproc=2)
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_pipeline_compiled_matches_eager(schedule, eager_reference, small_dataset, tmp_path):
+def test_pipeline_compiled_matches_eager(schedule, eager_reference, compiled_runs):
     """pp = 2 (torchrun, DeepSpeed's engine on each schedule), every layer compiled, against
     the eager single-process run of the same ops: the losses of 4 optimizer steps and every
     parameter after them within 1e-5 (the equivalence grids' tolerance)."""
-    extra, backend = SCHEDULES[schedule]
-    args = overrides(small_dataset, "block", str(tmp_path / "pp2"), pp=2, **PIPELINE)
-    args = [*args, *extra, "runtime.compile=layer", f"runtime.compile_backend={backend}"]
-    result = train_case(tmp_path, "pp2", args, nproc=2)
+    result = result_of(compiled_runs, schedule)
     assert_matches(result, eager_reference, f"compile pp2 {schedule} block")
 
 
-def test_tensor_parallel_compiled_matches_eager(eager_reference, small_dataset, tmp_path):
+def test_tensor_parallel_compiled_matches_eager(eager_reference, compiled_runs):
     """tp = 2 (torchrun, two processes), every layer compiled by inductor with its
     tensor-parallel all-reduces inside the graph (the row-parallel output's in forward, the
     column-parallel input gradient's in backward), against the eager single-process run: the
     losses of 4 optimizer steps and every parameter after them within 1e-5. A reduction
     missing from the graph leaves each rank with half the heads' contribution."""
-    args = overrides(small_dataset, "block", str(tmp_path / "tp2"), tp=2, **PIPELINE)
-    args = [*args, "runtime.compile=layer", "runtime.compile_backend=inductor"]
-    result = train_case(tmp_path, "tp2", args, nproc=2)
-    assert_matches(result, eager_reference, "compile tp2 block")
+    assert_matches(result_of(compiled_runs, "tp2"), eager_reference, "compile tp2 block")
 
 
 def test_resume_compiled_matches_uninterrupted_eager(eager_reference, small_dataset, tmp_path):

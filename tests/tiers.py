@@ -186,7 +186,9 @@ CAPABILITIES: dict[str, tuple[str, ...]] = {
         "test_compile_chunk.py::test_a_run_traces_as_one_graph",
         "test_compile_chunk.py::test_recompute_with_chunks_matches_eager",
     ),
-    "recompute exact under dropout": ("test_recompute_dropout.py",),
+    "recompute exact under dropout": (
+        "test_recompute_dropout.py::test_recompute_is_exact_under_dropout",
+    ),
     "launchers: torchrun, deepspeed, mpirun, two simulated nodes": (
         "test_launcher_jobs.py::test_real_two_stage_job_on_one_node",
         "test_launcher_jobs.py::test_real_two_stage_job_on_two_simulated_nodes",
