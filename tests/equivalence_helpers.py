@@ -100,15 +100,19 @@ def assert_matches(result: dict, reference: dict, label: str) -> None:
         torch.testing.assert_close(result["params"][name], ref, atol=TOL, rtol=TOL, msg=name)
 
 
-def train_cases(tmp_path, cases: dict[str, list[str]], nproc: int) -> dict[str, dict | str]:
+def train_cases(
+    tmp_path, cases: dict[str, list[str]], nproc: int, wire: bool = False
+) -> dict[str, dict | str]:
     """Train ``cases`` (name -> overrides) one after the other in one launch of ``nproc`` ranks
-    (``workers/train_cases.py``). Each name maps to its result, or to why it has none: its own
-    traceback, or the case that stopped the launch before it."""
+    (``workers/train_cases.py``; ``wire``: each rank records its p2p payloads there too). Each
+    name maps to its result, or to why it has none: its own traceback, or the case that stopped
+    the launch before it."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     spec = tmp_path / "cases.json"
     spec.write_text(json.dumps(cases))
+    flags = ["--wire"] if wire else []
     try:
-        run_job(["tests/workers/train_cases.py", str(tmp_path), str(spec)], nproc=nproc)
+        run_job(["tests/workers/train_cases.py", str(tmp_path), str(spec), *flags], nproc=nproc)
         stopped = ""
     except AssertionError as launch_error:
         stopped = str(launch_error)

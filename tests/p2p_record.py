@@ -1,11 +1,12 @@
 """Runs recorded on the wire, and the cache plan's prediction of what they send.
 
-``run_recorded`` trains one configuration under torchrun with ``workers/wire_case.py``, which
-records every tensor a virtual-stage engine queues for a p2p operation. ``check_wire`` compares
-each rank's training record with the ``CachePlan``: each transition's activation from its sender
-and its gradient (of the same shape) back from its receiver, once per micro-batch and step, one
-packed tensor each, nothing else; evaluation sends activations only. It returns the bytes sent,
-which then equal the plan's ``bytes_per_micro_batch`` x 2 (activation + gradient) x M x steps.
+``recorded_cases`` trains configurations in one launch under torchrun with
+``workers/train_cases.py --wire``, which records every tensor a virtual-stage engine queues for
+a p2p operation. ``check_wire`` compares each rank's training record with the ``CachePlan``:
+each transition's activation from its sender and its gradient (of the same shape) back from its
+receiver, once per micro-batch and step, one packed tensor each, nothing else; evaluation sends
+activations only. It returns the bytes sent, which then equal the plan's
+``bytes_per_micro_batch`` x 2 (activation + gradient) x M x steps.
 """
 
 from __future__ import annotations
@@ -18,15 +19,21 @@ import torch
 
 from attnres_dist.config import load_config
 from attnres_dist.pipeline import virtual_setup
-from tests.conftest import run_job
+from tests.equivalence_helpers import train_cases
 
 
-def run_recorded(tmp_path: Path, args: list[str], nproc: int) -> tuple[dict, list[dict]]:
-    """(rank 0's result as ``train_case``'s, every rank's p2p record)."""
-    out = tmp_path / "wire"
-    run_job(["tests/workers/wire_case.py", str(out), *args], nproc=nproc)
-    records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
-    return torch.load(out / "result.pt"), records
+def recorded_cases(tmp_path: Path, cases: dict[str, list[str]], nproc: int) -> dict:
+    """name -> (rank 0's result as ``train_cases``'s, every rank's p2p record), or the string
+    saying why the case has none."""
+    results = train_cases(tmp_path, cases, nproc, wire=True)
+
+    def records(name: str) -> list[dict]:
+        return [json.loads((tmp_path / f"{name}.rank{r}.json").read_text()) for r in range(nproc)]
+
+    return {
+        name: result if isinstance(result, str) else (result, records(name))
+        for name, result in results.items()
+    }
 
 
 def _plan(cfg):

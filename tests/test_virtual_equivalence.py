@@ -22,10 +22,11 @@ from tests.equivalence_helpers import (
     assert_matches,
     overrides,
     reference_runs,
+    selected_params,
     single_process_reference,
     train_case,
 )
-from tests.p2p_record import check_wire, plan_bytes, run_recorded
+from tests.p2p_record import check_wire, plan_bytes, recorded_cases
 
 SCHEDULES = {
     "dualpipev": {"parallel.schedule": "dualpipev"},
@@ -49,17 +50,39 @@ TWO_RANKS = [(s, m, True) for s in SCHEDULES for m in MODES] + [
 ]
 
 
+def two_rank_args(data: str, run_dir, schedule: str, mode: str, cache: bool) -> list[str]:
+    extra = {**SCHEDULES[schedule], "parallel.cross_stage_cache": str(cache).lower()}
+    return overrides(data, mode, str(run_dir), pp=2, **extra)
+
+
+def two_rank_name(schedule: str, mode: str, cache: bool) -> str:
+    return f"{schedule}-{mode}-{'cache' if cache else 'naive'}"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(small_dataset, tmp_path_factory, request):
+    """The selected two-rank cases, recorded on the wire, in one launch."""
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    cases = {}
+    for params in selected_params(request, "test_two_ranks_match_reference"):
+        key = (params["schedule"], params["mode"], params["cache"])
+        cases[two_rank_name(*key)] = two_rank_args(small_dataset, tmp / two_rank_name(*key), *key)
+    return cases, recorded_cases(tmp, cases, nproc=2)
+
+
 @pytest.mark.parametrize(
     "schedule, mode, cache", TWO_RANKS, ids=lambda v: {True: "cache", False: "naive"}.get(v, v)
 )
-def test_two_ranks_match_reference(schedule, mode, cache, references, small_dataset, tmp_path):
+def test_two_ranks_match_reference(schedule, mode, cache, references, two_ranks):
     """Also on the wire: every payload sent is the cache plan's (``p2p_record.check_wire``)."""
-    extra = {**SCHEDULES[schedule], "parallel.cross_stage_cache": str(cache).lower()}
-    args = overrides(small_dataset, mode, str(tmp_path / "run"), pp=2, **extra)
-    result, records = run_recorded(tmp_path, args, nproc=2)
+    cases, recorded = two_ranks
+    name = two_rank_name(schedule, mode, cache)
+    if isinstance(recorded[name], str):
+        raise AssertionError(f"case {name} has no result:\n{recorded[name]}")
+    result, records = recorded[name]
     check(result, references[mode], f"{schedule} {mode} pp=2 cache={cache}")
-    sent = check_wire(args, records)
-    cached, naive = plan_bytes(args)
+    sent = check_wire(cases[name], records)
+    cached, naive = plan_bytes(cases[name])
     if mode != "baseline":  # baseline carries one hidden state either way
         assert cached < naive, (cached, naive)
     print(
