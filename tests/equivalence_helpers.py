@@ -156,8 +156,9 @@ def train_cases(
     return results
 
 
-def result_of(results: dict[str, dict | str], name: str) -> dict:
-    """The case's result, or the test fails with why there is none."""
+def result_of(results: dict, name: str):
+    """The case's result (a dict, or what ``p2p_record.recorded_cases`` pairs with it), or the
+    test fails with why there is none (the string in its place)."""
     result = results[name]
     if isinstance(result, str):
         raise AssertionError(f"case {name} has no result:\n{result}")

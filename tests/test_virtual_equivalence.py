@@ -22,6 +22,7 @@ from tests.equivalence_helpers import (
     assert_matches,
     overrides,
     reference_runs,
+    result_of,
     selected_params,
     single_process_reference,
     train_case,
@@ -77,9 +78,7 @@ def test_two_ranks_match_reference(schedule, mode, cache, references, two_ranks)
     """Also on the wire: every payload sent is the cache plan's (``p2p_record.check_wire``)."""
     cases, recorded = two_ranks
     name = two_rank_name(schedule, mode, cache)
-    if isinstance(recorded[name], str):
-        raise AssertionError(f"case {name} has no result:\n{recorded[name]}")
-    result, records = recorded[name]
+    result, records = result_of(recorded, name)
     check(result, references[mode], f"{schedule} {mode} pp=2 cache={cache}")
     sent = check_wire(cases[name], records)
     cached, naive = plan_bytes(cases[name])
