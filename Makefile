@@ -55,8 +55,12 @@ test-full: setup
 	$(VENV)/bin/ruff check $(LINTED)
 	$(PYTEST) --tier full $(PYTEST_ARGS)
 
+# The rest tier is mostly launches and compilation, each of which leaves a core idle part of
+# the time: two pytest-xdist workers, one test file each at a time (docs/testing.md).
+REST_WORKERS ?= 2
+
 test-rest: setup
-	$(PYTEST) --tier rest $(PYTEST_ARGS)
+	$(PYTEST) --tier rest -n $(REST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check $(LINTED)
