@@ -11,9 +11,10 @@ any ``pp x dp x tp`` and schedule (checkpoints hold full tensors under canonical
 
 Function-preserving: the depth-attention queries are zero and their key gains one, so every
 depth mix is the mean of its sources, whose sum is the source model's residual stream; the
-RMSNorm after every mix removes the 1/n up to its epsilon (docs/checkpoints.md, "Continue
-pretraining a Llama-family model with AttnRes", derives the bound). ``baseline`` mode is the
-source model exactly.
+RMSNorm after every mix removes the 1/n (Delta Full: the 1 + 1/n) up to its epsilon, which
+``source_scaled_eps`` scales to make it exact (docs/checkpoints.md, "Continue pretraining a
+Llama-family model with AttnRes", derives it, and the perturbation Delta Block's blocks
+bring). ``baseline`` mode is the source model exactly.
 
 Everything is checked before anything is written (``hf/llama_source.py``); the directory is
 assembled beside ``--output`` and moved into place only when complete, and an existing
@@ -41,7 +42,8 @@ def run_config(source, output: Path, mode: str, block_size: int, overrides=()):
         {
             "model.attnres.mode": mode,
             "model.attnres.block_size": block_size,
-            # exact at step 0: the norm after a mix of n sources takes eps / n^2
+            # exact at step 0: the norm after a mix of n sources takes eps / n^2 (Delta: times
+            # (1 + 1/n)^2; BlockPlan.zero_query_scale)
             "model.attnres.source_scaled_eps": mode != "baseline",
             "data.tokenizer": "hf",
             "data.tokenizer_path": str(output / "tokenizer.json"),
@@ -197,8 +199,15 @@ def add_parser(sub) -> None:
     cmd.add_argument("directory", help="a Hugging Face model directory (config.json, weights, "
                      "tokenizer.json)")  # fmt: skip
     cmd.add_argument("--output", required=True, help="run directory to create (must not exist)")
-    cmd.add_argument("--mode", default="block", help="baseline | block | full (default block)")
-    cmd.add_argument("--block-size", type=int, default=2, help="sublayers per block (block mode)")
+    cmd.add_argument(
+        "--mode",
+        default="block",
+        help="baseline | block | full | delta_full | delta_block (default block; delta_block "
+        "is not exact at step 0: docs/checkpoints.md)",
+    )
+    cmd.add_argument(
+        "--block-size", type=int, default=2, help="sublayers per block (block, delta_block)"
+    )
     cmd.add_argument(
         "overrides", nargs="*", help="dotted config overrides, e.g. model.seq_length=1024"
     )

@@ -1,6 +1,7 @@
 """The block plan against the definitions of DESIGN.md section 2, by brute force."""
 
 import math
+from fractions import Fraction
 
 import pytest
 
@@ -73,3 +74,21 @@ def test_uneven_last_block_closes_at_the_end():
 def test_invalid_plans_name_the_field(args, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         BlockPlan(*args)
+
+
+@pytest.mark.parametrize(
+    ("mode", "twin", "size"), [("delta_full", "full", 1), ("delta_block", "block", 3)]
+)
+def test_delta_carries_its_twin_s_state_and_mixes_completed_blocks_only(mode, twin, size):
+    """A Delta state is its replacement twin's (the same rows cross every cut); its mixes
+    leave out the partial block; zero queries scale the stream by 1 + 1/n, not 1/n."""
+    delta, other = BlockPlan(4, mode, size), BlockPlan(4, twin, size)
+    assert delta.widths == other.widths and delta.delta and not other.delta
+    assert not delta.has_final_mix and other.has_final_mix
+    for sublayer in range(1, 9):
+        assert delta.closes_block(sublayer) == other.closes_block(sublayer)
+        completed, _ = other.state_after(sublayer - 1)
+        assert delta.num_sources(sublayer) == completed
+        assert delta.zero_query_scale(sublayer) == 1 + Fraction(1, completed)
+        assert other.zero_query_scale(sublayer) == Fraction(1, other.num_sources(sublayer))
+    assert delta.zero_query_scale(None) == 1

@@ -54,6 +54,8 @@ from tests.tiny_model import VOCAB, build_selected, randomize_mixers, tiny_overr
 
 # (mode, block size): 3 layers = 6 sublayers, so block size 4 leaves an uneven last block
 MODES = [("baseline", 2), ("block", 4), ("full", 1)]
+# Delta AttnRes: the two-phase schedule of Block (a partial block, not mixed) and of Full
+DELTA = [("delta_block", 4), ("delta_full", 1)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -130,7 +132,7 @@ def test_compile_refuses_what_it_does_not_trace(override, field):
         select_runtime(cfg.runtime, cfg.model.attnres.impl)
 
 
-@pytest.mark.parametrize(("mode", "block_size"), MODES)
+@pytest.mark.parametrize(("mode", "block_size"), MODES + DELTA)
 def test_every_layer_traces_as_one_graph(mode, block_size):
     model = build(mode, block_size)
     state = model.embedding(window()[:, :-1])
@@ -148,7 +150,7 @@ def test_every_layer_traces_as_one_graph(mode, block_size):
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), reasons
 
 
-@pytest.mark.parametrize(("mode", "block_size"), MODES)
+@pytest.mark.parametrize(("mode", "block_size"), MODES + DELTA)
 def test_fullgraph_forward_and_backward(mode, block_size):
     """``fullgraph=True`` raises at the first break: every layer compiles whole, and the
     aot_eager graphs give the eager numbers."""
@@ -173,7 +175,7 @@ def test_full_recompute_around_compiled_layers():
     assert_same_numbers(compiled, eager)
 
 
-@pytest.mark.parametrize(("mode", "block_size"), [("block", 4), ("full", 1)])
+@pytest.mark.parametrize(("mode", "block_size"), [("block", 4), ("full", 1), ("delta_block", 4)])
 def test_attnres_recompute_inside_compiled_layers(mode, block_size):
     """``recompute: attnres`` checkpoints the depth mix and its norm inside each compiled
     region (``fullgraph``: the checkpoint traces as a tagged subgraph, no break): the same
@@ -230,7 +232,7 @@ def test_recompiles_once_per_layer():
     assert counters["stats"]["unique_graphs"] == first
 
 
-@pytest.mark.parametrize(("mode", "block_size"), MODES)
+@pytest.mark.parametrize(("mode", "block_size"), MODES + DELTA[:1])
 def test_inductor_matches_eager(mode, block_size):
     """The compiled model of ``runtime.compile: layer`` (inductor, CPU) against the eager one."""
     torch._dynamo.reset()

@@ -1,6 +1,6 @@
 """The equivalence grid of the fast tier: every pair of factors in a covering array.
 
-Six factors (layout, schedule, residual mode, recompute, dtype, compile) make 324 combinations
+Six factors (layout, schedule, residual mode, recompute, dtype, compile) make 540 combinations
 of real pipeline jobs; ``covering.covering_cases`` picks a few that hold every pair of levels
 of two factors, and a test checks that they do. Each case trains the equivalence case
 (``equivalence_helpers.overrides``: 3 optimizer steps with clipping) under torchrun; the cases
@@ -33,7 +33,7 @@ from tests.equivalence_helpers import (
 FACTORS = {
     "layout": ["pp2", "pp2-dp2", "pp2-tp2"],
     "schedule": ["1f1b", "dualpipev", "interleaved"],
-    "mode": ["baseline", "block", "full"],
+    "mode": ["baseline", "block", "full", "delta_block", "delta_full"],
     "recompute": ["none", "attnres", "full"],
     "dtype": ["fp32", "bf16"],
     "compile": ["off", "layer"],

@@ -46,6 +46,22 @@ CASES = {
         "model.attnres.source_scaled_eps": True,
     },
     "full-scaled-eps": {"model.attnres.mode": "full", "model.attnres.source_scaled_eps": True},
+    # Delta AttnRes: the mix added to the residual stream, no final mix
+    "delta_full-untied": {"model.attnres.mode": "delta_full", "model.tie_embeddings": False},
+    "delta_block3-uneven-tied-gqa": {
+        "model.attnres.mode": "delta_block",
+        "model.attnres.block_size": 3,
+        "model.num_query_groups": 2,
+    },
+    "delta_block3-uneven-scaled-eps": {
+        "model.attnres.mode": "delta_block",
+        "model.attnres.block_size": 3,
+        "model.attnres.source_scaled_eps": True,
+    },
+    "delta_full-scaled-eps": {
+        "model.attnres.mode": "delta_full",
+        "model.attnres.source_scaled_eps": True,
+    },
 }
 
 
@@ -122,6 +138,22 @@ def test_logits_equal_the_single_process_model(case, tmp_path):
         with open(REACHED, "a") as f:
             f.write(json.dumps({"test": f"hf_logits[{case}]", "diff": diff, "tol": TOL}) + "\n")
     assert diff <= TOL, diff
+
+
+@pytest.mark.parametrize("case", ["delta_full-untied", "delta_block3-uneven-tied-gqa"])
+def test_delta_generation_with_the_kv_cache_equals_without(case, tmp_path):
+    model, model_cfg = build(CASES[case], seq_length=32)
+    hf = load_hf(export(model, model_cfg, tmp_path / "hf"))
+    prompt = torch.tensor([list(b"def main(")])
+    kwargs = {"max_new_tokens": 16, "do_sample": False, "pad_token_id": 256}
+    cached = hf.generate(prompt, use_cache=True, **kwargs)
+    recomputed = hf.generate(prompt, use_cache=False, **kwargs)
+    assert cached.tolist() == recomputed.tolist() and cached.shape[1] == prompt.shape[1] + 16
+    with torch.no_grad():  # the last step's logits, cached, against the trainer's model
+        ref = model(cached[:, :-1]).transpose(0, 1)[0, -1, :257]
+        past = hf(cached[:, :-2], use_cache=True).past_key_values
+        got = hf(cached[:, -2:-1], past_key_values=past, use_cache=True).logits[0, -1]
+    assert (got - ref).abs().max().item() <= TOL
 
 
 def test_qkv_split_follows_megatron_group_layout():

@@ -25,6 +25,8 @@ CASES = {
     "full": {"model.attnres.mode": "full"},
     "block2": {"model.attnres.block_size": 2},
     "block3-uneven": {"model.attnres.block_size": 3},  # blocks of 3, 3, 2 over 8 sublayers
+    "delta_full": {"model.attnres.mode": "delta_full"},
+    "delta_block3-uneven": {"model.attnres.mode": "delta_block", "model.attnres.block_size": 3},
 }
 S, B = 16, 2
 

@@ -62,6 +62,7 @@ FILES: dict[str, str | tuple[str, ...]] = {
     "test_cuda_graphs.py": FAST,
     "test_data.py": FAST,
     "test_default_corpus.py": FAST,
+    "test_delta_attnres.py": FAST,
     "test_deferred_skip.py": FULL,
     "test_depth_attention.py": FAST,
     "test_diagnostics.py": (

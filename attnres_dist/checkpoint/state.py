@@ -31,6 +31,7 @@ import torch.distributed as dist
 from attnres_dist.checkpoint import faults, store
 from attnres_dist.checkpoint.legacy_names import PackedIndex
 from attnres_dist.checkpoint.store import Checkpoint, CheckpointError
+from attnres_dist.config.block_plan import BLOCK_MODES
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.tp_shards import gather_full, is_sharded, shard_of
 
@@ -102,7 +103,7 @@ def model_signature(model, padded_vocab_size: int) -> dict:
         "model.tie_embeddings": model.tie_embeddings,
         "model.attnres.mode": model.attnres.mode,
     }
-    if model.attnres.mode == "block":
+    if model.attnres.mode in BLOCK_MODES:
         sig["model.attnres.block_size"] = model.attnres.block_size
     if model.attnres.source_scaled_eps:
         sig["model.attnres.source_scaled_eps"] = True

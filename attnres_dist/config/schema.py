@@ -13,11 +13,14 @@ from attnres_dist.config.block_plan import BlockPlan
 
 @dataclass
 class AttnResConfig:
-    mode: str = "block"  # baseline | full | block
-    block_size: int = 2  # sublayers per block (block mode); 1 = full
+    # baseline | full | block | delta_full | delta_block (Delta AttnRes: the mix is added to
+    # the residual stream; config/block_plan.py)
+    mode: str = "block"
+    block_size: int = 2  # sublayers per block (block and delta_block); 1 = full
     impl: str = "auto"  # depth-attention implementation: auto or a registered one
-    # each norm after a depth mix uses eps / n^2 (n: the sources the mix averages at zero
-    # queries), so a model converted from a plain residual one is exact at step 0 (import-hf)
+    # each norm after a depth mix scales its eps by the square of what zero queries scale the
+    # stream by (1 / n for a mix of n, Delta 1 + 1 / n: BlockPlan.zero_query_scale), so a
+    # model converted from a plain residual one is exact at step 0 (import-hf)
     source_scaled_eps: bool = False
 
 

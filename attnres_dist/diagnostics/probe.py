@@ -85,7 +85,11 @@ class ActivationProbe:
             x = state.partial
         else:
             mixer = layer.attn_mixer if sublayer % 2 == 1 else layer.mlp_mixer
-            x, record["weights"] = self._mix(mixer, state.sources())
+            if mixer.delta:  # the mix of the completed blocks, added to the stream
+                x, record["weights"] = self._mix(mixer, list(state.completed))
+                x = x + state.stream()
+            else:
+                x, record["weights"] = self._mix(mixer, state.sources())
             record["weights"]["num_completed"] = len(state.completed)
         after = out if state.partial is None else state.partial + out
         record.update(in_rms=rms(x), out_rms=rms(out), state_rms=rms(after))
@@ -98,7 +102,7 @@ class ActivationProbe:
         start = time.perf_counter()
         with torch.no_grad():
             record = {"rms": rms(hidden)}
-            if aggregation.plan.mode != "baseline":
+            if aggregation.plan.has_final_mix:
                 _, record["weights"] = self._mix(aggregation.mixer, state.sources())
                 record["weights"]["num_completed"] = len(state.completed)
         self._final = record

@@ -181,8 +181,8 @@ def _has_w(measure: dict, index: int) -> bool:
 
 def variant_label(config: dict) -> str:
     attnres = config["model"]["attnres"]
-    if attnres["mode"] == "block":
-        return f"block S={attnres['block_size']}"
+    if attnres["mode"] in ("block", "delta_block"):
+        return f"{attnres['mode']} S={attnres['block_size']}"
     return attnres["mode"]
 
 

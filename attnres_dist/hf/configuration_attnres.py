@@ -9,7 +9,7 @@ splits over tensor-parallel ranks; padding ids are never produced by the tokeniz
 
 from transformers import PretrainedConfig
 
-ATTNRES_MODES = ("baseline", "full", "block")
+ATTNRES_MODES = ("baseline", "full", "block", "delta_full", "delta_block")
 
 
 class AttnResConfig(PretrainedConfig):
@@ -58,7 +58,8 @@ class AttnResConfig(PretrainedConfig):
         self.rms_norm_eps = rms_norm_eps
         self.attnres_mode = attnres_mode
         self.attnres_block_size = attnres_block_size
-        # each norm after a depth mix of n sources uses rms_norm_eps / n^2 (an imported model)
+        # each norm after a depth mix of n sources uses rms_norm_eps / n^2 (Delta: times
+        # (1 + 1/n)^2): an imported model is exact at step 0 (modeling_attnres.norm_eps)
         self.attnres_source_scaled_eps = attnres_source_scaled_eps
         self.depth_attention_eps = depth_attention_eps
         self.use_cache = use_cache

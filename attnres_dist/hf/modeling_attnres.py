@@ -1,4 +1,4 @@
-"""Hugging Face ``transformers`` model of an AttnRes Transformer (baseline, Full, Block).
+"""Hugging Face ``transformers`` model of an AttnRes Transformer (baseline, Full, Block, Delta).
 
 Shipped inside every ``attnres-dist export --format hf`` directory (``auto_map`` in its
 ``config.json`` points here), so ``AutoModelForCausalLM.from_pretrained(dir,
@@ -20,6 +20,10 @@ It computes what the trainer's single-process model computes (arXiv 2603.15031):
   added to the partial block, which closes every ``attnres_block_size`` sublayers (the last
   block may be shorter). Before the final norm one more mix reads every block. Baseline is the
   plain PreNorm residual.
+* Delta AttnRes (``delta_full``, ``delta_block``; arXiv 2605.18855): the same sources less the
+  partial block, and the mix is added to the residual stream ``h~`` (the sum of every block,
+  partial included) instead of replacing it: the sublayer reads ``Norm(h~ + mix)``; the final
+  norm reads ``h~`` (no final mix).
 * Logits cover ``config.vocab_size`` (the tokenizer's ids): the rows the trainer added to pad
   the embedding matrix (``padded_vocab_size``) are sliced off, so no tool can emit them.
 
@@ -142,27 +146,36 @@ class AttnResMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def block_size(config: AttnResConfig) -> int:
+    """Sublayers per block (Full and Delta Full: 1)."""
+    return 1 if config.attnres_mode in ("full", "delta_full") else config.attnres_block_size
+
+
 def closes_block(config: AttnResConfig, sublayer: int) -> bool:
     """Whether sublayer ``sublayer`` (1-based; 2i+1 attention, 2i+2 MLP) ends its block."""
-    size = 1 if config.attnres_mode == "full" else config.attnres_block_size
-    return sublayer % size == 0 or sublayer == 2 * config.num_hidden_layers
+    return sublayer % block_size(config) == 0 or sublayer == 2 * config.num_hidden_layers
 
 
 def norm_eps(config: AttnResConfig, sublayer: int | None) -> float:
     """The epsilon of the norm after the depth mix of ``sublayer`` (1-based; None: the final
-    one): ``rms_norm_eps``, divided by ``n^2`` for a mix of ``n`` sources under
-    ``attnres_source_scaled_eps`` (Full: every earlier output and the embedding; Block: the
-    embedding, the completed blocks and, inside a block, the partial one)."""
+    one): ``rms_norm_eps``, under ``attnres_source_scaled_eps`` times the square of what a
+    zero-query mix of ``n`` sources scales the residual stream by: ``1 / n`` (Full: every
+    earlier output and the embedding; Block: the embedding, the completed blocks and, inside
+    a block, the partial one), Delta ``1 + 1 / n`` (the completed blocks; its final norm reads
+    the stream itself)."""
     eps = config.rms_norm_eps
-    if config.attnres_mode == "baseline" or not config.attnres_source_scaled_eps:
+    mode = config.attnres_mode
+    delta = mode.startswith("delta_")
+    if mode == "baseline" or not config.attnres_source_scaled_eps or (delta and sublayer is None):
         return eps
-    size = 1 if config.attnres_mode == "full" else config.attnres_block_size
+    size = block_size(config)
     total = 2 * config.num_hidden_layers
     if sublayer is None:
         n = 1 + -(-total // size)
     else:
-        n = 1 + (sublayer - 1) // size + int((sublayer - 1) % size > 0)
-    return eps / (n * n)
+        partial = (sublayer - 1) % size > 0 and not delta
+        n = 1 + (sublayer - 1) // size + int(partial)
+    return eps * (n + 1) ** 2 / n**2 if delta else eps / (n * n)
 
 
 class AttnResDecoderLayer(nn.Module):
@@ -171,6 +184,7 @@ class AttnResDecoderLayer(nn.Module):
     def __init__(self, config: AttnResConfig, layer_idx: int):
         super().__init__()
         self.baseline = config.attnres_mode == "baseline"
+        self.delta = config.attnres_mode.startswith("delta_")
         first = 2 * layer_idx + 1  # this layer's sublayers: attention, then MLP
         self.closes = (closes_block(config, first), closes_block(config, first + 1))
         self.layer_idx = layer_idx
@@ -195,8 +209,12 @@ class AttnResDecoderLayer(nn.Module):
             if self.baseline:
                 partial = partial + fn(norm(partial))
                 continue
-            sources = completed + ([partial] if partial is not None else [])
-            out = fn(norm(getattr(self, mixer)(sources)))
+            if self.delta:  # the stream plus a mix of the completed blocks
+                stream = sum(completed) + (0 if partial is None else partial)
+                x = stream + getattr(self, mixer)(completed)
+            else:
+                x = getattr(self, mixer)(completed + ([partial] if partial is not None else []))
+            out = fn(norm(x))
             partial = out if partial is None else partial + out
             if closes:
                 completed, partial = completed + [partial], None
@@ -240,7 +258,7 @@ class AttnResModel(AttnResPreTrainedModel):
         self.layers = nn.ModuleList(
             AttnResDecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
-        if config.attnres_mode != "baseline":
+        if config.attnres_mode in ("full", "block"):
             self.final_mixer = AttnResDepthMixer(config.hidden_size, config.depth_attention_eps)
         self.norm = AttnResRMSNorm(config.hidden_size, norm_eps(config, None))
         self.post_init()
@@ -283,6 +301,8 @@ class AttnResModel(AttnResPreTrainedModel):
         completed, partial = state
         if self.config.attnres_mode == "baseline":
             hidden = partial
+        elif self.config.attnres_mode.startswith("delta_"):  # the stream: no final mix
+            hidden = sum(completed) + (0 if partial is None else partial)
         else:
             hidden = self.final_mixer(completed + ([partial] if partial is not None else []))
         return self.norm(hidden), cache

@@ -18,6 +18,7 @@ import os
 import shutil
 from pathlib import Path
 
+from attnres_dist.config.block_plan import BLOCK_MODES
 from attnres_dist.hf.tokenizer import write_tokenizer
 from attnres_dist.hf.weights import hf_state_dict
 
@@ -52,7 +53,7 @@ def hf_config(model, vocab_size: int, padded_vocab_size: int, eos_token_id: int,
         rope_llama3_factor=model.rope_scaling_factor,
         rms_norm_eps=model.norm_eps,
         attnres_mode=mode,
-        attnres_block_size=model.attnres.block_size if mode == "block" else 1,
+        attnres_block_size=model.attnres.block_size if mode in BLOCK_MODES else 1,
         attnres_source_scaled_eps=model.attnres.source_scaled_eps,
         tie_word_embeddings=model.tie_embeddings,
         eos_token_id=eos_token_id,

@@ -6,7 +6,8 @@ Megatron's bias-dropout-add. Each of the two sublayers reads a depth-attention m
 state's sources (its own zero-initialised query and key RMSNorm gain: a row of the layer's
 ``mixer_weights``), and its raw output is added
 to the partial block, which is closed into the completed list where the block plan says so.
-Baseline mode applies the plain PreNorm residual with the very same submodules.
+Delta AttnRes adds the mix (over the completed blocks only) to the residual stream before the
+norm. Baseline mode applies the plain PreNorm residual with the very same submodules.
 
 With a two-phase implementation the mix is phase 1 (at a segment's first sublayer, for the
 whole segment) plus phase 2 (``attnres_dist.model.depth_mixing``).
@@ -64,8 +65,8 @@ class AttnResLayer(torch.nn.Module):
         if plan.mode != "baseline":
             # the attention's and the MLP's mixers: rows 0 and 1 of one parameter
             self.mixer_weights = mixer_weights(2, megatron_layer.config.hidden_size)
-            self.attn_mixer = DepthMixer(self.mixer_weights, 0, impl)
-            self.mlp_mixer = DepthMixer(self.mixer_weights, 1, impl)
+            self.attn_mixer = DepthMixer(self.mixer_weights, 0, impl, delta=plan.delta)
+            self.mlp_mixer = DepthMixer(self.mixer_weights, 1, impl, delta=plan.delta)
         self.store_capacity = plan.final_num_sources  # rows of the block store's buffer
         self.segments = {}  # sublayer -> Segment (two-phase schedule)
         configure_segments([self], plan)

@@ -28,6 +28,12 @@ merges the block closed since; a phase 1 of its own would read every block once 
 The phase-1 results live in the state (``Phase1Cache``) until the segment ends; they never
 cross a stage boundary. One-pass implementations (``lean``, ``reference``) read
 ``state.sources()`` as before.
+
+Delta AttnRes (``delta``) runs the same schedule without the partial block among the mixed
+sources, and adds the residual stream to the mix before the norm: phase 1 also sums the rows
+it read (the stream's share of them, once per segment), and each sublayer adds what came after
+them (Full: the group's outputs; Block: the partial block). The fused norms are off there: the
+norm reads the sum, not the mix.
 """
 
 from __future__ import annotations
@@ -62,11 +68,19 @@ class DepthMixer:
     row ``row`` of a packed ``mixer_weights`` parameter that the layer (or the final
     aggregation) owns, run by the configured backend (``attnres_dist.ops``)."""
 
-    def __init__(self, weights: torch.nn.Parameter, row: int, impl: str = "lean", eps=1e-6):
+    def __init__(
+        self,
+        weights: torch.nn.Parameter,
+        row: int,
+        impl: str = "lean",
+        eps=1e-6,
+        delta: bool = False,
+    ):
         self.weights = weights
         self.row = row
         self.eps = eps
         self.impl = impl
+        self.delta = delta  # Delta AttnRes: the mix of the completed blocks, added to the stream
         self._op = get_depth_attention(impl)
         self.recompute = False  # the mix and its norm recomputed in backward (``attnres``)
 
@@ -92,26 +106,33 @@ class DepthMixer:
         return self._op(q, sources, g, eps=self.eps, return_weights=return_weights)
 
     def mix_norm(self, state: DepthState, segment, sublayer: int, norm):
-        """(state, ``norm(mix)``): the sublayer's normalised input. Two-phase: phase 1 at the
-        segment's first sublayer (its results join the state), then this sublayer's merge;
-        one-pass: the mix over ``state.sources()``. Under ``recompute`` (``attnres``) the
-        merge or mix and the norm are recomputed in backward."""
-        recompute = self.recompute and torch.is_grad_enabled()
+        """(state, ``norm(mix)``): the sublayer's normalised input (Delta: ``norm(stream +
+        mix)``). Two-phase: phase 1 at the segment's first sublayer (its results join the
+        state), then this sublayer's merge; one-pass: the mix over ``state.sources()``. Under
+        ``recompute`` (``attnres``) the merge or mix and the norm are recomputed in backward."""
         if not self.two_phase:
-            mix_norm = lambda *sources: norm(self(sources))  # noqa: E731
-            sources = state.sources()
-            return state, checkpoint_deterministic(mix_norm, *sources) if recompute else mix_norm(
-                *sources
-            )
-        state = segment.begin(state)
-        out1, lse, extra, into = state.merge_inputs(sublayer, self.grad_into)
-        if state.phase1.first_normed and sublayer == state.phase1.first:
-            return state, out1  # phase 1 applied this sublayer's norm
-        inputs = (out1, lse, extra, state.store.dtype, into)
-        merge_norm = lambda *a: self.merge(*a, norm=norm)  # noqa: E731
-        return state, checkpoint_deterministic(merge_norm, *inputs) if recompute else merge_norm(
-            *inputs
-        )
+            inputs = state.sources()
+            if self.delta:
+                mixed = state.num_completed
+                fn = lambda *s: norm(self(s[:mixed]) + _summed(s))  # noqa: E731
+            else:
+                fn = lambda *s: norm(self(s))  # noqa: E731
+        else:
+            state = segment.begin(state)
+            cache = state.phase1
+            if self.delta:
+                out1, lse, extra, _ = state.merge_inputs(sublayer, with_partial=False)
+                inputs = (out1, lse, extra, state.store.dtype, cache.stream, state.partial)
+                fn = lambda *a: self.delta_merge(*a, norm=norm)  # noqa: E731
+            else:
+                out1, lse, extra, into = state.merge_inputs(sublayer, self.grad_into)
+                if cache.first_normed and sublayer == cache.first:
+                    return state, out1  # phase 1 applied this sublayer's norm
+                inputs = (out1, lse, extra, state.store.dtype, into)
+                fn = lambda *a: self.merge(*a, norm=norm)  # noqa: E731
+        if self.recompute and torch.is_grad_enabled():
+            return state, checkpoint_deterministic(fn, *inputs)
+        return state, fn(*inputs)
 
     def merge(self, out1, lse, extra, dtype: torch.dtype, into=None, norm=None):
         """Phase 2: this mixer's phase-1 result merged with ``extra`` (None: nothing), then
@@ -128,6 +149,16 @@ class DepthMixer:
         out = self._op.phase2(out1, lse, extra, self.weights[self.row], self.eps, **options)
         return out if norm is None or fused else norm(out)
 
+    def delta_merge(self, out1, lse, extra, dtype, stream, partial, norm):
+        """Delta AttnRes' phase 2: the mix of the completed blocks (``merge``) added to the
+        residual stream, ``stream`` (the rows phase 1 read, summed) plus ``extra`` (the rows
+        closed since) plus ``partial``, then ``norm``."""
+        if extra is not None:
+            stream = stream + extra.sum(0)
+        if partial is not None:
+            stream = stream + partial
+        return norm(self.merge(out1, lse, extra, dtype) + stream)
+
     def attend_store(self, state: DepthState) -> torch.Tensor:
         """The whole two-phase mix for this mixer alone (the final aggregation). Its phase 1
         reads every row of the store, usually the first to backpropagate into them: it writes
@@ -139,6 +170,14 @@ class DepthMixer:
         out1, lse = self._op.phase1(store, weights, self.eps, **options)
         extra = None if state.partial is None else state.partial.unsqueeze(0)
         return self.merge(out1[0], lse[0], extra, state.store.dtype)
+
+
+def _summed(tensors) -> torch.Tensor:
+    """The sum of ``tensors`` (same shape), added in order."""
+    out = tensors[0]
+    for t in tensors[1:]:
+        out = out + t
+    return out
 
 
 def _stacked_weights(mixers: list[DepthMixer]) -> torch.Tensor:
@@ -193,7 +232,10 @@ class Segment:
         if normed:
             options["first_norm"] = (self.first_norm.weight, self.first_norm.eps)
         out1, lse = op.phase1(store, _stacked_weights(self.mixers), eps, **options)
-        cache = Phase1Cache(self.first, self.rows, tuple(out1), tuple(lse), first_normed=normed)
+        stream = store.sum(0) if self.mixers[0].delta else None
+        cache = Phase1Cache(
+            self.first, self.rows, tuple(out1), tuple(lse), first_normed=normed, stream=stream
+        )
         state = replace(state, phase1=cache)
         # in a compiled region, a checkpointed merge that reads an unbound piece of phase 1's
         # product is a graph AOTAutograd cannot partition (docs/compile.md)
@@ -235,6 +277,7 @@ def configure_segments(layers: list, plan: BlockPlan, final=None, groups=None) -
                 fusable = (
                     isinstance(norm, CpuRMSNorm)
                     and not mixer.recompute
+                    and not mixer.delta  # Delta's norm reads the stream plus the mix
                     and "first_norm" in mixer._op.options
                 )
                 segment = segments[key] = Segment(sublayer, [], rows, norm if fusable else None)

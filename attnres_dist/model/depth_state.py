@@ -208,6 +208,8 @@ class Phase1Cache:
     closed: tuple[torch.Tensor, ...] = ()
     # out1[0] is the first sublayer's normalised input (phase 1 applied its RMSNorm)
     first_normed: bool = False
+    # Delta AttnRes: the sum of the ``rows`` blocks, the residual stream's share of them
+    stream: torch.Tensor | None = None
 
     def handed_on(self, sublayer: int) -> Phase1Cache:
         """The results that sublayers ``sublayer ..`` still read, for the next layer: earlier
@@ -251,6 +253,12 @@ class DepthState:
         if self.partial is not None:
             out.append(self.partial)
         return out
+
+    def stream(self) -> torch.Tensor:
+        """The residual stream that Delta AttnRes adds its mix to (and its final norm reads):
+        every completed block and the partial block, summed."""
+        out = self.store.sum(0)
+        return out if self.partial is None else out + self.partial
 
     def parts(self) -> tuple[torch.Tensor, ...]:
         """The state as few tensors: the store, then the partial block if any."""
@@ -310,10 +318,11 @@ class DepthState:
             return self.close_block(capacity, out)
         return replace(self, partial=out if self.partial is None else self.partial + out)
 
-    def merge_inputs(self, sublayer: int, grad_into: bool = False):
+    def merge_inputs(self, sublayer: int, grad_into: bool = False, with_partial: bool = True):
         """(out1, lse, extra, into) of ``sublayer`` from the phase-1 results: extra may be
         None; ``into`` (None unless ``grad_into``, the op's capability) gives the gradient rows
-        of an extra that is a range of store rows, for the op to add that extra's gradient to."""
+        of an extra that is a range of store rows, for the op to add that extra's gradient to.
+        ``with_partial``: the partial block is an extra (Delta mixes completed blocks only)."""
         cache = self.phase1
         k = sublayer - cache.first
         later = self.num_completed - cache.rows  # Full: the group's outputs, in the store
@@ -330,7 +339,7 @@ class DepthState:
             extra.append(self.store[cache.rows : cache.rows + received])
         if closed:  # Full: the group's outputs closed since the segment began
             extra.append(torch.stack(closed))
-        if self.partial is not None:  # Block: the partial block
+        if self.partial is not None and with_partial:  # Block: the partial block
             extra.append(self.partial.unsqueeze(0))
         extra = None if not extra else extra[0] if len(extra) == 1 else torch.cat(extra)
         return cache.out1[k], cache.lse[k], extra, None

@@ -3,7 +3,7 @@
 * ``Embedding`` turns token ids ``[b, s]`` into the first DepthState (``b_0 = v_0``, Megatron's
   ``[s, b, h]`` layout) and, for tied embeddings, also computes the LM logits with its weight.
 * ``FinalAggregation`` attends once more over all blocks (own zero-init query and key norm),
-  then applies the final norm; baseline just normalises the residual stream.
+  then applies the final norm; baseline and Delta AttnRes normalise the residual stream.
 * ``OutputLayer`` is the untied LM head. Logits stay vocabulary-sharded under tensor parallelism
   and the loss is Megatron's vocab-parallel cross entropy (torch's on a single tensor rank).
 """
@@ -97,7 +97,7 @@ class FinalAggregation(torch.nn.Module):
     def __init__(self, config, plan: BlockPlan, impl: str = "lean"):
         super().__init__()
         self.plan = plan
-        if plan.mode != "baseline":
+        if plan.has_final_mix:
             self.mixer_weights = mixer_weights(1, config.hidden_size)
             self.mixer = DepthMixer(self.mixer_weights, 0, impl)
         self.final_norm = _final_norm(config)
@@ -133,6 +133,8 @@ class FinalAggregation(torch.nn.Module):
             return self.mixer.merge(*merge)
         if self.plan.mode == "baseline":
             return state.partial
+        if self.plan.delta:  # no final mix: the norm reads the residual stream
+            return state.stream()
         if self.mixer.two_phase:
             return self.mixer.attend_store(state)
         return self.mixer(state.sources())

@@ -146,19 +146,17 @@ def compile_regions(model: AttnResGPT, backend: str = "inductor") -> None:
 
 
 def scale_norm_eps(norms: list, plan: BlockPlan, first_sublayer: int | None) -> None:
-    """Divide each norm's epsilon by the square of the number of sources the depth mix in
-    front of it reads (``first_sublayer`` onwards, 1-based; None: the final aggregation).
+    """Scale each norm's epsilon by the square of what zero queries scale the residual stream
+    by in front of it (``first_sublayer`` onwards, 1-based; None: the final norm):
+    ``BlockPlan.zero_query_scale``.
 
-    At zero queries a mix of ``n`` sources is ``h / n`` with ``h`` the plain residual stream,
-    and ``RMSNorm_{eps / n^2}(h / n) = RMSNorm_eps(h)``: the model equals its plain-residual
-    twin exactly, not only up to the epsilon (``import-hf``)."""
+    At zero queries a mix of ``n`` sources is ``h / n`` with ``h`` the plain residual stream
+    (Delta: ``h + h / n``), and ``RMSNorm_{c^2 eps}(c h) = RMSNorm_eps(h)``: the model equals
+    its plain-residual twin exactly, not only up to the epsilon (``import-hf``)."""
     for k, norm in enumerate(norms):
-        n = (
-            plan.final_num_sources
-            if first_sublayer is None
-            else plan.num_sources(first_sublayer + k)
-        )
-        norm.eps = norm.eps / (n * n)
+        sublayer = None if first_sublayer is None else first_sublayer + k
+        scale = plan.zero_query_scale(sublayer)  # exact: a Fraction
+        norm.eps = norm.eps * scale.numerator**2 / scale.denominator**2
 
 
 class AttnResGPT(torch.nn.Module):
