@@ -70,9 +70,9 @@ lint: setup
 bench: setup
 	$(PY) -m bench.run --out bench_results
 
-# baseline vs Block vs Full AttnRes at three peak learning rates, 2 seeds each, into
-# docs/results.md (each variant at its best rate beside every run; about 80 min on 2 cores;
-# finished runs in runs/study are kept, so an interrupted study resumes)
+# baseline vs Block, Full, Delta Block and Delta Full AttnRes at three peak learning rates,
+# 2 seeds each, into docs/results.md (each variant at its best rate beside every run; about
+# 130 min on 2 cores; finished runs in runs/study are kept, so an interrupted study resumes)
 STUDY_LRS ?= 1e-3 3e-3 6e-3
 study: setup
 	$(PY) -m studies.study --lrs $(STUDY_LRS) --seeds 1 2 $(ARGS)
@@ -115,8 +115,9 @@ gpu-wheels: setup
 gpu-check:
 	bash launch/gpu_check.sh $(ARGS)
 
-# The GPU study (docs/diagnostics.md, "On one lent GPU"): the install steps, then baseline vs Block vs
-# Full AttnRes sized to what is left of 530 s; study.tar.gz comes back beside gpu.md.
+# The GPU study (docs/diagnostics.md, "On one lent GPU"): the install steps, then baseline vs
+# Block, Full, Delta Block and Delta Full AttnRes sized to what is left of 530 s;
+# study.tar.gz comes back beside gpu.md.
 gpu-study:
 	bash launch/gpu_check.sh --only study --budget-s 530 $(ARGS)
 

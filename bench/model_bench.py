@@ -62,6 +62,7 @@ SHAPES: dict[str, tuple[str, ...]] = {
     "32x64 S=4": ("model.num_layers=32", "model.hidden_size=64", "model.attnres.block_size=4"),
 }
 MODES = ("baseline", "block", "full")
+DELTA_MODES = ("delta_block", "delta_full")  # measured on the new path only
 THREADS = 2
 # per-repetition step ratios spread by +-10% and more on a shared 2-core host, and the paired
 # median of 15 repetitions moved by 4-5% between runs: 31 put it within a 97% sign-test
@@ -196,15 +197,16 @@ def _stats(samples: list[float]) -> dict:
 def step_group(
     shape: tuple[str, ...], window, reps: int, warmup: int, old_impl: str, new_impl: str | None
 ) -> dict:
-    """Baseline, Block and Full on the old and the new path at one shape, interleaved."""
+    """Baseline, Block and Full on the old and the new path at one shape, and Delta Block and
+    Delta Full on the new one, interleaved."""
     seq = window.shape[1] - 1
     cases = {}
-    for mode in MODES:
-        for path in ("old", "new"):
-            words = [*shape, f"model.seq_length={seq}", f"model.attnres.mode={mode}"]
-            cases[f"{mode}_{path}"] = build_case(
-                [*words, *path_overrides(path, old_impl, new_impl)], window
-            )
+    runs = [(m, p) for m in MODES for p in ("old", "new")] + [(m, "new") for m in DELTA_MODES]
+    for mode, path in runs:
+        words = [*shape, f"model.seq_length={seq}", f"model.attnres.mode={mode}"]
+        cases[f"{mode}_{path}"] = build_case(
+            [*words, *path_overrides(path, old_impl, new_impl)], window
+        )
     cpu: dict[str, list[float]] = {}
     kernels: dict[str, list[dict]] = {}
     times = interleaved(cases, reps, warmup, cpu, kernels)
@@ -283,6 +285,9 @@ def _step_ratios(times: dict[str, list[float]], estimate=paired_ratio) -> dict:
             ratios[key] = estimate(times[f"{mode}_{path}"], times[f"baseline_{path}"])
     for mode in MODES:
         ratios[f"{mode}_new_over_old"] = estimate(times[f"{mode}_new"], times[f"{mode}_old"])
+    for mode in DELTA_MODES:
+        key = f"{mode}_over_baseline_new"
+        ratios[key] = estimate(times[f"{mode}_new"], times["baseline_new"])
     return ratios
 
 

@@ -151,6 +151,12 @@ def _model_rows(model: dict) -> list[str]:
             f"| {r['block_new_over_old']:.3f} | {r['full_new_over_old']:.3f} "
             f"| {r['baseline_new_over_old']:.3f} |"
         )
+    delta = ", ".join(
+        f"{shape} {g['ratios']['delta_block_over_baseline_new']:.3f} / "
+        f"{g['ratios']['delta_full_over_baseline_new']:.3f}"
+        for shape, g in model["step"].items()
+    )
+    lines += ["", f"Delta Block / baseline and Delta Full / baseline, new path: {delta}."]
     intervals, coverage = [], None
     for shape, group in model["step"].items():
         within = group["ratio_intervals"]

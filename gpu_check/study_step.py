@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 CONFIG = "configs/study-gpu-1.yaml"
-VARIANTS = ("baseline", "block", "full")
+VARIANTS = ("baseline", "block", "full", "delta_block", "delta_full")
 LRS = (1e-3, 3e-3)  # two rates when the budget allows; the first alone when it does not
 MIN_STEPS = 500  # fewer steps per run than this at two rates: one rate instead
 CALIBRATION_STEPS = 30

@@ -14,7 +14,7 @@ import argparse
 import sys
 import tempfile
 
-VARIANTS = ("baseline", "block", "full")
+VARIANTS = ("baseline", "block", "full", "delta_block", "delta_full")
 
 
 def measure(config: str, variant: str, steps: int, overrides: list[str]) -> dict:

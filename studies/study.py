@@ -1,10 +1,12 @@
-"""The study behind ``make study``: baseline vs Block vs Full AttnRes, several seeds each.
+"""The study behind ``make study``: baseline vs Block, Full, Delta Block and Delta Full AttnRes,
+several seeds each.
 
     python -m studies.study [--config configs/study-cpu.yaml] [--quick]
 
 Every variant trains the same config (same layers, tokens, data order and hyper-parameters;
 AttnRes only adds its per-sublayer query and key gain) with ``model.attnres.mode`` set to
-``baseline``, ``block`` (the config's block size) or ``full``, once per seed, as
+``baseline``, ``block`` (the config's block size), ``full``, ``delta_block`` (the same block
+size) or ``delta_full``, once per seed, as
 ``attnres-dist train`` subprocesses (under ``torchrun`` when the config's layout needs more
 than one process). Finished runs
 (``summary.json`` present) are kept, so an interrupted study resumes where it stopped;
@@ -39,7 +41,7 @@ from attnres_dist.diagnostics import runs as R
 from attnres_dist.diagnostics.reading import reading
 from studies import lr_sweep
 
-VARIANTS = ("baseline", "block", "full")
+VARIANTS = ("baseline", "block", "full", "delta_block", "delta_full")
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 QUICK = [
     "train.steps=20",

@@ -152,6 +152,7 @@ def test_model_bench_smoke(tmp_path):
     ratios = result["step"]["2x32 S=3"]["ratios"]
     expected = {f"{m}_over_baseline_{p}" for m in ("block", "full") for p in ("old", "new")}
     expected |= {f"{m}_new_over_old" for m in ("baseline", "block", "full")}
+    expected |= {f"{m}_over_baseline_new" for m in ("delta_block", "delta_full")}
     assert set(ratios) == expected and all(r > 0 for r in ratios.values())
     intervals = result["step"]["2x32 S=3"]["ratio_intervals"]
     assert set(intervals) == expected and all(v is None for v in intervals.values())

@@ -27,7 +27,8 @@ def test_dry_study_runs_every_variant_and_archives_the_results(tmp_path, monkeyp
     assert result["exit"] == 0 and result["corpus"]["files"] > 10
     assert result["plan"]["steps"] == 20 and result["plan"]["lrs"] == [1e-3]
     names = sorted(r["run"] for r in result["runs"])
-    assert names == [f"{v}-lr0.001-seed1" for v in ("baseline", "block", "full")]
+    variants = ("baseline", "block", "delta_block", "delta_full", "full")
+    assert names == [f"{v}-lr0.001-seed1" for v in variants]
     assert all(r["final_valid_loss"] and r["tokens_per_s"] for r in result["runs"])
     assert result["tokens_per_run"] == 20 * 2 * 32
     with tarfile.open(out / "study.tar.gz") as tar:
@@ -43,7 +44,8 @@ def test_dry_study_runs_every_variant_and_archives_the_results(tmp_path, monkeyp
 
 
 def test_plan_fits_the_limit_and_falls_back_to_one_rate():
-    # 540 s, 20 s start-up, 0.1 s a step: 6 runs get 0.85 * 540 / 6 - 20 = 56.5 s -> 565 steps
-    assert study_step.plan(540, 20, 0.1, dry=False) == (565, [1e-3, 3e-3])
-    # 0.4 s a step: 141 steps at two rates (< 500), so one rate: 0.85 * 540 / 3 - 20 = 133 s
-    assert study_step.plan(540, 20, 0.4, dry=False) == (332, [1e-3])
+    # 540 s, 20 s start-up, 0.04 s a step: 10 runs (5 variants, 2 rates) get
+    # 0.85 * 540 / 10 - 20 = 25.9 s -> 647 steps
+    assert study_step.plan(540, 20, 0.04, dry=False) == (647, [1e-3, 3e-3])
+    # 0.1 s a step: 259 steps at two rates (< 500), so one rate: 0.85 * 540 / 5 - 20 = 71.8 s
+    assert study_step.plan(540, 20, 0.1, dry=False) == (718, [1e-3])

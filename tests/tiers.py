@@ -170,8 +170,14 @@ FILES: dict[str, str | tuple[str, ...]] = {
 # a fast test that exists
 CAPABILITIES: dict[str, tuple[str, ...]] = {
     "single-process engine": ("test_train.py::test_single_process_runs_repeat_exactly",),
-    "1F1B, DualPipeV, interleaved; pp, dp, tp; baseline, Block, Full; both recompute modes; "
-    "bf16; compiled pipelines": ("test_equivalence_grid.py::test_case_matches_single_process",),
+    "1F1B, DualPipeV, interleaved; pp, dp, tp; baseline, Block, Full, Delta Block, Delta "
+    "Full; both recompute modes; bf16; compiled pipelines": (
+        "test_equivalence_grid.py::test_case_matches_single_process",
+    ),
+    "Delta AttnRes against its float64 definition, every CPU backend": (
+        "test_delta_attnres.py",
+        "test_import_hf.py::test_delta_block_import_is_the_source_with_each_block_s_partial_sum_damped",
+    ),
     "cross-stage cache on the wire": (
         "test_virtual_equivalence.py::test_two_ranks_match_reference",
     ),

@@ -39,7 +39,7 @@ def part_param_counts(model: ModelConfig, vocab_size: int) -> list[int]:
     qkv = h * (heads + 2 * groups) * head_dim
     attnres = 4 * h if model.attnres.mode != "baseline" else 0
     layer = 2 * h + qkv + heads * head_dim * h + 2 * ffn * h + ffn * h + attnres
-    final = h + (2 * h if model.attnres.mode != "baseline" else 0)
+    final = h + (2 * h if model.block_plan().has_final_mix else 0)
     head = vocab_size * h if not model.tie_embeddings else 0
     return [vocab_size * h] + [layer] * model.num_layers + [final, head]
 

@@ -45,11 +45,11 @@ class FlopsPerToken:
 
 
 def depth_sources(plan: BlockPlan) -> int:
-    """Sources mixed per token over all sublayers and the final aggregation."""
+    """Sources mixed per token over all sublayers and the final aggregation (Delta: none)."""
     if plan.mode == "baseline":
         return 0
     total = sum(plan.num_sources(sub) for sub in range(1, plan.num_sublayers + 1))
-    return total + plan.final_num_sources
+    return total + (plan.final_num_sources if plan.has_final_mix else 0)
 
 
 def training_flops_per_token(model, vocab_size: int) -> FlopsPerToken:
