@@ -103,8 +103,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def select_tier(config, items) -> None:
-    """Deselect what ``--tier`` leaves out; a fast entry of ``tiers.FILES`` that names no test of
-    its file is an error, so the fast tier cannot lose a test to a rename."""
+    """Deselect what ``--tier`` leaves out, the heaviest files first (``tiers.HEAVY_FIRST``); a
+    fast entry of ``tiers.FILES`` that names no test of its file is an error, so the fast tier
+    cannot lose a test to a rename."""
     from tests import tiers
 
     # files collected in part (a test named on the command line) are not checked for names
@@ -123,6 +124,8 @@ def select_tier(config, items) -> None:
         )
         if stale and file not in partial:
             raise pytest.UsageError(f"tests/tiers.py names tests {file} does not have: {stale}")
+    heavy = {file: i for i, file in enumerate(tiers.HEAVY_FIRST)}
+    items.sort(key=lambda item: heavy.get(item.path.name, len(heavy)))  # stable: files intact
     tier = config.getoption("--tier")
     if tier == "full":
         return

@@ -20,7 +20,7 @@ from attnres_dist.config import load_config
 from attnres_dist.pipeline.contract import boundary_specs_for_config
 from tests.conftest import REPO, TINY_MODEL, run_job
 
-MODES = ["baseline", "full", "block"]
+MODES = ["baseline", "full", "block", "delta_block"]  # Delta: its twin's rows
 PNG = b"\x89PNG\r\n\x1a\n"
 PLOTS = ["timeline.png", "boundary_bytes.png", "stage_breakdown.png"]
 STEPS = 2

@@ -16,6 +16,7 @@ def test_every_test_file_is_in_a_tier():
     on_disk = {p.name for p in TESTS.glob("test_*.py")}
     assert sorted(on_disk - set(tiers.FILES)) == [], "assign these in tests/tiers.py"
     assert sorted(set(tiers.FILES) - on_disk) == [], "tests/tiers.py names files that are gone"
+    assert sorted(set(tiers.HEAVY_FIRST) - on_disk) == [], "HEAVY_FIRST names files that are gone"
 
 
 @pytest.mark.parametrize("capability", tiers.CAPABILITIES)

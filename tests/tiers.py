@@ -20,6 +20,24 @@ CI_BUDGET_S = 75 * 60
 
 FAST, FULL = "fast", "full"
 
+# The files that take longest, longest first (the slowest tests of the tiers, docs/testing.md):
+# they run first, so that parallel workers (``make test-rest``), which take a file at a time
+# in collection order, do not end on one of them while the other waits.
+HEAVY_FIRST = (
+    "test_equivalence_grid.py",
+    "test_compile.py",
+    "test_compile_chunk.py",
+    "test_gpu_check.py",
+    "test_bench_smoke.py",
+    "test_checkpoint.py",
+    "test_steady_guards.py",
+    "test_pipeline_equivalence.py",
+    "test_recompute_dropout.py",
+    "test_virtual_equivalence.py",
+    "test_precision.py",
+    "test_checkpoint_guards.py",
+)
+
 FILES: dict[str, str | tuple[str, ...]] = {
     "test_allocator.py": FAST,
     "test_bad_inputs.py": FAST,
@@ -128,6 +146,7 @@ FILES: dict[str, str | tuple[str, ...]] = {
         "test_profile_bytes_equal_contract[pp2-baseline]",
         "test_profile_bytes_equal_contract[pp2-block]",
         "test_profile_bytes_equal_contract[pp2-full]",
+        "test_profile_bytes_equal_contract[pp2-delta_block]",
         "test_profile_outputs_well_formed[pp2-block]",
         "test_timeline_covers_every_stage_and_micro_batch[pp2]",
         "test_profile_needs_a_pipeline",
