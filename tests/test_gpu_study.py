@@ -47,5 +47,5 @@ def test_plan_fits_the_limit_and_falls_back_to_one_rate():
     # 540 s, 20 s start-up, 0.04 s a step: 10 runs (5 variants, 2 rates) get
     # 0.85 * 540 / 10 - 20 = 25.9 s -> 647 steps
     assert study_step.plan(540, 20, 0.04, dry=False) == (647, [1e-3, 3e-3])
-    # 0.1 s a step: 259 steps at two rates (< 500), so one rate: 0.85 * 540 / 5 - 20 = 71.8 s
-    assert study_step.plan(540, 20, 0.1, dry=False) == (718, [1e-3])
+    # 0.15 s a step: 172 steps at two rates (< 500), so one rate: 0.85 * 540 / 5 - 20 = 71.8 s
+    assert study_step.plan(540, 20, 0.15, dry=False) == (478, [1e-3])
