@@ -172,6 +172,20 @@ class DepthMixer:
         return self.merge(out1[0], lse[0], extra, state.store.dtype)
 
 
+def _stream_base(previous: Phase1Cache | None, store: torch.Tensor) -> torch.Tensor:
+    """The sum of ``store``'s rows (Delta's stream, less what came after them): the previous
+    segment's sum plus the rows closed since, where the state still holds them (the segment
+    before ran on this stage), else the rows summed afresh. Each segment then adds a row or a
+    group's rows, not the whole store, and its backward hands each row its gradient alone,
+    not a gradient of the whole store."""
+    rows = store.shape[0]
+    if previous is None or previous.stream is None:
+        return store.sum(0)
+    if previous.rows + len(previous.closed) != rows:  # rows received at a cut, not closed here
+        return store.sum(0)
+    return _summed((previous.stream, *previous.closed))
+
+
 def _summed(tensors) -> torch.Tensor:
     """The sum of ``tensors`` (same shape), added in order."""
     out = tensors[0]
@@ -232,7 +246,7 @@ class Segment:
         if normed:
             options["first_norm"] = (self.first_norm.weight, self.first_norm.eps)
         out1, lse = op.phase1(store, _stacked_weights(self.mixers), eps, **options)
-        stream = store.sum(0) if self.mixers[0].delta else None
+        stream = _stream_base(cache, store) if self.mixers[0].delta else None
         cache = Phase1Cache(
             self.first, self.rows, tuple(out1), tuple(lse), first_normed=normed, stream=stream
         )
