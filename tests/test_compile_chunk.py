@@ -109,7 +109,13 @@ def test_inductor_chunk_matches_eager(mode, block_size):
 
 @pytest.mark.parametrize(
     ("mode", "block_size", "recompute"),
-    [("block", 4, "attnres"), ("full", 1, "attnres"), ("block", 4, "full")],
+    [
+        ("block", 4, "attnres"),
+        ("full", 1, "attnres"),
+        ("block", 4, "full"),
+        ("delta_block", 4, "attnres"),
+        ("delta_full", 1, "full"),
+    ],
 )
 def test_recompute_with_chunks_matches_eager(mode, block_size, recompute):
     """``attnres`` recompute checkpoints inside the run; ``full`` (interval 2) checkpoints each
