@@ -114,7 +114,7 @@ class DepthMixer:
             inputs = state.sources()
             if self.delta:
                 mixed = state.num_completed
-                fn = lambda *s: norm(self(s[:mixed]) + _summed(s))  # noqa: E731
+                fn = lambda *s: norm(self(s[:mixed]) + sum(s[1:], s[0]))  # noqa: E731
             else:
                 fn = lambda *s: norm(self(s))  # noqa: E731
         else:
@@ -175,23 +175,16 @@ class DepthMixer:
 def _stream_base(previous: Phase1Cache | None, store: torch.Tensor) -> torch.Tensor:
     """The sum of ``store``'s rows (Delta's stream, less what came after them): the previous
     segment's sum plus the rows closed since, where the state still holds them (the segment
-    before ran on this stage), else the rows summed afresh. Each segment then adds a row or a
-    group's rows, not the whole store, and its backward hands each row its gradient alone,
-    not a gradient of the whole store."""
-    rows = store.shape[0]
-    if previous is None or previous.stream is None:
+    before ran on this stage, and no row came with the state at a cut since), else the rows
+    summed afresh. Each segment then adds a row or a group's rows, not the whole store, and
+    its backward hands each row its gradient alone, not a gradient of the whole store."""
+    if (
+        previous is None
+        or previous.stream is None
+        or previous.rows + len(previous.closed) != store.shape[0]
+    ):
         return store.sum(0)
-    if previous.rows + len(previous.closed) != rows:  # rows received at a cut, not closed here
-        return store.sum(0)
-    return _summed((previous.stream, *previous.closed))
-
-
-def _summed(tensors) -> torch.Tensor:
-    """The sum of ``tensors`` (same shape), added in order."""
-    out = tensors[0]
-    for t in tensors[1:]:
-        out = out + t
-    return out
+    return sum(previous.closed, previous.stream)
 
 
 def _stacked_weights(mixers: list[DepthMixer]) -> torch.Tensor:
