@@ -150,7 +150,7 @@ def test_two_phase_saves_less_than_lean_for_backward():
 
 
 def test_store_buffer_gradient_rows_are_written_by_their_first_writer():
-    from attnres_dist.model.depth_state import StoreBuffer
+    from attnres_dist.model.store_buffer import StoreBuffer
 
     buffer = StoreBuffer(torch.randn(4, 3))
     rows, accumulate = buffer.grad_rows(1, 3)  # nothing written yet: the caller writes
