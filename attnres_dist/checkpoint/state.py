@@ -8,8 +8,9 @@ step (which is also the data position: batches are a function of the step), the 
 the model's shape; ``rng.pt`` holds every rank's RNG states.
 
 Saving is collective and gathers nothing to one rank: on each stage, the tensor ranks of
-data-parallel rank 0 all-gather their shards and tensor rank 0 writes the stage's file; rank 0
-then writes the RNG file and the manifest and commits (``store.commit``). Loading is local:
+data-parallel rank 0 all-gather their shards and tensor rank 0 writes the stage's file (experts
+split over expert-parallel ranks: the first replica of each expert rank writes its experts,
+named by global index, to a file of their own, so any ep reads them back); rank 0 then writes the RNG file and the manifest and commits (``store.commit``). Loading is local:
 each rank opens only the files holding its parameters and takes its shard with ``shard_of``.
 DeepSpeed's own checkpoints restore optimizer state only at the same stage count (DESIGN.md
 section 4); this format has no notion of stages, so any layout can resume any checkpoint.
@@ -33,6 +34,7 @@ from attnres_dist.checkpoint.legacy_names import PackedIndex
 from attnres_dist.checkpoint.store import Checkpoint, CheckpointError
 from attnres_dist.config.block_plan import BLOCK_MODES
 from attnres_dist.parallel.dims import ParallelDims
+from attnres_dist.parallel.expert_params import is_expert_param
 from attnres_dist.parallel.tp_shards import gather_full, is_sharded, shard_of
 
 # ------------------------------------------------------------------------------ helpers
@@ -53,6 +55,11 @@ def _tp_group():
     if not parallel_state.model_parallel_is_initialized():
         return None
     return parallel_state.get_tensor_model_parallel_group()
+
+
+def _layout(dims: ParallelDims) -> dict:
+    """The layout a checkpoint records (ep only where it splits experts: older ones lack it)."""
+    return {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp} | ({"ep": dims.ep} if dims.ep > 1 else {})
 
 
 def _full_shape(param: torch.Tensor, tp: int) -> tuple[int, ...]:
@@ -107,11 +114,21 @@ def model_signature(model, padded_vocab_size: int) -> dict:
         sig["model.attnres.block_size"] = model.attnres.block_size
     if model.attnres.source_scaled_eps:
         sig["model.attnres.source_scaled_eps"] = True
+    moe = model.moe
+    if moe.enabled:
+        sig |= {
+            "model.moe.num_experts": moe.num_experts,
+            "model.moe.top_k": moe.top_k,
+            "model.moe.expert_ffn_hidden_size": model.expert_ffn_size,
+            "model.moe.shared_expert_ffn_hidden_size": moe.shared_expert_ffn_hidden_size,
+            "model.moe layers": [i for i in range(model.num_layers) if moe.is_moe_layer(i)],
+        }
     return sig
 
 
-# signature entries written only when they differ from their default
-_SIGNATURE_DEFAULTS = {"model.attnres.source_scaled_eps": None}
+# signature entries written only when they differ from their default (a dense model has no
+# MoE entries: an MoE checkpoint resumed as dense names num_experts, and the reverse)
+_SIGNATURE_DEFAULTS = {"model.attnres.source_scaled_eps": None, "model.moe.num_experts": None}
 
 
 def check_signature(ckpt: Checkpoint, signature: dict) -> None:
@@ -131,12 +148,14 @@ def check_signature(ckpt: Checkpoint, signature: dict) -> None:
 # ------------------------------------------------------------------------------- saving
 
 
-def _stage_tensors(engine, group) -> dict[str, torch.Tensor]:
-    """Full tensors of the parameters (and their optimizer state) this stage owns.
+def _stage_tensors(engine, group, experts_only: bool = False) -> dict[str, torch.Tensor]:
+    """Full tensors of the parameters (and their optimizer state) this stage owns; with
+    ``experts_only``, of its experts split over expert-parallel ranks only.
 
     Collective over the tensor-parallel group: every tensor rank runs the same loop. Under
     DeepSpeed's bf16 engine or ZeRO-1 (``engine.sharded_state``) the fp32 master weights and
-    AdamW state are read from its flat partitions, collectively over the data-parallel group.
+    AdamW state are read from its flat partitions, collectively over the data-parallel group
+    (split experts do not run with them: ``config/moe_rules.py``).
     """
     tensors = {}
     optimizer = engine.optimizer
@@ -146,7 +165,7 @@ def _stage_tensors(engine, group) -> dict[str, torch.Tensor]:
         id(p): g["step"] for g in optimizer.param_groups if "step" in g for p in g["params"]
     }
     for name, param, owned in engine.checkpoint_params():
-        if not owned:
+        if not owned or (experts_only and not is_expert_param(param)):
             continue
         if sharded is not None:
             value, state = sharded.master(param), sharded.state(param)
@@ -182,17 +201,23 @@ def save_checkpoint(
 
     root = Path(root)
     stage, dp_rank, tp_rank = dims.coords(rank)
+    ep_rank, edp_rank = dims.expert_coords(rank)
     if rank == 0:
         store.begin(root, step)
     _barrier()
     tmp = store.tmp_dir(root, step)
     written = None
     # data-parallel replicas hold identical state: one of them writes (reading sharded optimizer
-    # state is collective over the data-parallel group, so then every replica reads)
-    if dp_rank == 0 or getattr(engine, "sharded_state", None) is not None:
-        tensors = _stage_tensors(engine, _tp_group())
-        if tp_rank == 0 and dp_rank == 0:
+    # state is collective over the data-parallel group, so then every replica reads); experts
+    # split over ranks are written by the first replica of each expert rank
+    writes = dp_rank == 0 or edp_rank == 0
+    if writes or getattr(engine, "sharded_state", None) is not None:
+        experts_only = writes and dp_rank != 0
+        tensors = _stage_tensors(engine, _tp_group(), experts_only)
+        if tp_rank == 0 and writes and (tensors or not experts_only):
             name = f"stage-{stage:03d}.safetensors"
+            if dp_rank != 0:
+                name = f"stage-{stage:03d}-experts-{ep_rank:03d}.safetensors"
             info = store.write_bytes(tmp / name, safetensors.torch.save(tensors))
             info["tensors"] = {key: list(t.shape) for key, t in tensors.items()}
             written = (name, info)
@@ -209,7 +234,7 @@ def save_checkpoint(
         torch.save({str(r): item[1] for r, item in enumerate(gathered)}, buffer)
         files["rng.pt"] = store.write_bytes(tmp / "rng.pt", buffer.getvalue())
         manifest = dict(body)
-        manifest["layout"] = {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp}
+        manifest["layout"] = _layout(dims)
         manifest["scheduler"] = engine.scheduler.state_dict()
         store.commit(root, step, files, manifest)
         store.prune(root, keep_last)
@@ -323,8 +348,7 @@ def _restore_rng(ckpt: Checkpoint, dims: ParallelDims, rank: int) -> str:
     Random streams (dropout) are per rank, so they can continue exactly only in the layout that
     wrote them; after resharding each rank is re-seeded from (seed, step) instead.
     """
-    layout = {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp}
-    if ckpt.manifest.get("layout") == layout:
+    if ckpt.manifest.get("layout") == _layout(dims):
         states = torch.load(ckpt.path / "rng.pt", weights_only=True)
         set_rng_state(states[str(rank)])
         return "RNG states restored"

@@ -8,6 +8,7 @@ failure is one ``ConfigError`` line naming the field, the value and the fix.
 from __future__ import annotations
 
 from attnres_dist.config.block_plan import MODES
+from attnres_dist.config.moe_rules import validate_moe
 from attnres_dist.config.schedule_rules import chunks_per_rank, validate_schedule
 from attnres_dist.config.schema import COMPILED, Config, RuntimeConfig
 from attnres_dist.data.blend import parse_blend, parse_split
@@ -151,6 +152,7 @@ def validate(cfg: Config) -> None:
             "parallel.tp",
             f"got {p.tp}; must divide model.{name}={value}",
         )
+    validate_moe(cfg)
     validate_schedule(cfg)
     per_rank = chunks_per_rank(cfg)
     unit = "stage" if per_rank == 1 else "chunk"

@@ -24,6 +24,44 @@ class AttnResConfig:
     source_scaled_eps: bool = False
 
 
+# what the router balances with (Megatron-Core's moe_router_load_balancing_type; its
+# global_aux_loss reduces token counts across data-parallel ranks inside the forward, which
+# no single-process run reproduces, so it is not offered)
+LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
+
+
+@dataclass
+class MoEConfig:
+    """A mixture-of-experts MLP (Megatron-Core's MoELayer) in place of the dense one."""
+
+    num_experts: int = 0  # 0 = a dense model
+    top_k: int = 2  # experts each token is routed to
+    expert_ffn_hidden_size: int | None = None  # None = model.ffn_hidden_size's value
+    shared_expert_ffn_hidden_size: int | None = None  # a shared expert of this width; None = none
+    # which layers keep the dense MLP: the first `dense_layers`, or `pattern` (one entry per
+    # layer, 1 = MoE, 0 = dense: Megatron's moe_layer_freq list), which then wins
+    dense_layers: int = 0
+    pattern: list[int] | None = None
+    load_balancing: str = "aux_loss"  # one of LOAD_BALANCING
+    aux_loss_coeff: float = 1e-2
+    z_loss_coeff: float | None = None  # the router's z-loss (ST-MoE); None = off
+    capacity_factor: float | None = None  # tokens an expert takes per its fair share; None = dropless
+    router_dtype: str = "fp32"  # fp32 | fp64 | model: the dtype the router's logits use
+    token_dispatcher: str = "alltoall"  # alltoall | allgather (Megatron's token dispatchers)
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Layer ``index`` (0-based) has the MoE MLP."""
+        if not self.enabled:
+            return False
+        if self.pattern is not None:
+            return bool(self.pattern[index])
+        return index >= self.dense_layers
+
+
 @dataclass
 class ModelConfig:
     num_layers: int = 4
@@ -44,6 +82,7 @@ class ModelConfig:
     attention_dropout: float = 0.0
     norm_eps: float = 1e-5
     attnres: AttnResConfig = field(default_factory=AttnResConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def block_plan(self) -> BlockPlan:
         return BlockPlan(self.num_layers, self.attnres.mode, self.attnres.block_size)
@@ -53,6 +92,10 @@ class ModelConfig:
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
         return 64 * ((8 * self.hidden_size // 3 + 63) // 64)
+
+    @property
+    def expert_ffn_size(self) -> int:
+        return self.moe.expert_ffn_hidden_size or self.ffn_size
 
 
 @dataclass
@@ -103,6 +146,9 @@ class ParallelConfig:
     pp: int = 1
     dp: int = 1
     tp: int = 1
+    # expert parallelism: each MoE layer's experts split over ep data-parallel ranks
+    # (Megatron-Core's expert-parallel groups; it divides dp, so it adds no ranks)
+    ep: int = 1
     partition: str | list[int] = "uniform"  # uniform | parameters | [layers per stage]
     recompute: str = "none"  # none | attnres | full
     recompute_interval: int = 1  # layers per checkpointed chunk with recompute: full

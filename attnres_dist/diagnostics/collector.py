@@ -44,7 +44,7 @@ from attnres_dist.model.embedding_head import FinalAggregation
 FILENAME = "diagnostics.jsonl"
 
 
-def _root_module(engine) -> torch.nn.Module:
+def root_module(engine) -> torch.nn.Module:
     for attr in ("module", "model"):
         module = getattr(engine, attr, None)
         if isinstance(module, torch.nn.Module):
@@ -71,7 +71,7 @@ class Diagnostics:
         if not every_k:
             return
         _, self.dp_rank, self.tp_rank = coords
-        root = _root_module(engine)
+        root = root_module(engine)
         self.layers = [m for m in root.modules() if isinstance(m, AttnResLayer)]
         self.finals = [m for m in root.modules() if isinstance(m, FinalAggregation)]
         self.probe = ActivationProbe()

@@ -80,8 +80,8 @@ class AttnResLayer(torch.nn.Module):
         spec's modules, or under Transformer Engine the linears that fuse them (``eps``)."""
         layer = self.layer
         norms = [layer.input_layernorm, layer.pre_mlp_layernorm]
-        fused = [layer.self_attention.linear_qkv, layer.mlp.linear_fc1]
-        return [n if hasattr(n, "eps") else f for n, f in zip(norms, fused, strict=True)]
+        fused = [lambda: layer.self_attention.linear_qkv, lambda: layer.mlp.linear_fc1]
+        return [n if hasattr(n, "eps") else f() for n, f in zip(norms, fused, strict=True)]
 
     @property
     def first_sublayer(self) -> int:

@@ -31,6 +31,7 @@ from attnres_dist.model.document_masks import DocumentOptions, loss_mask
 from attnres_dist.model.embedding_head import Embedding, FinalAggregation, OutputLayer, lm_loss
 from attnres_dist.model.layer_runs import CompileOptions, apply_runs
 from attnres_dist.model.megatron_config import padded_vocab_size, transformer_config
+from attnres_dist.model.moe import init_experts, moe_layer_spec
 from attnres_dist.runtime import RuntimeChoice
 from attnres_dist.runtime.select import select_depth_attention
 
@@ -57,6 +58,7 @@ class ModelBuilder:
         dtype=torch.float32,
         runtime: RuntimeChoice | None = None,
         documents: DocumentOptions | None = None,
+        ep: int = 1,
     ):
         megatron_compat.apply()
         self.documents = documents  # Megatron's document options; None = plain causal samples
@@ -64,7 +66,9 @@ class ModelBuilder:
         self.model = model
         self.plan: BlockPlan = model.block_plan()
         self.vocab_size = padded_vocab_size(vocab_size, model.make_vocab_size_divisible_by, tp)
-        self.config = transformer_config(model, tp=tp, dtype=dtype, on_gpu=self.runtime.on_gpu)
+        self.config = transformer_config(
+            model, tp=tp, dtype=dtype, on_gpu=self.runtime.on_gpu, ep=ep
+        )
         self.seed = seed
         self.depth_attention = self._depth_attention()
 
@@ -92,9 +96,15 @@ class ModelBuilder:
     def layer(self, index: int) -> AttnResLayer:
         from megatron.core.transformer.spec_utils import build_module
 
-        spec = layer_specs.layer_spec(self.runtime)
+        moe = self.model.moe
+        if moe.is_moe_layer(index):
+            spec = layer_specs.patched(moe_layer_spec(moe.num_experts), self.runtime)
+        else:
+            spec = layer_specs.layer_spec(self.runtime)
         with seeded(self.seed, f"layer.{index}"):
             megatron_layer = build_module(spec, config=self.config, layer_number=index + 1)
+            if moe.is_moe_layer(index):  # each expert by its global index, in its own fork
+                init_experts(megatron_layer.mlp, lambda name: seeded(self.seed, name), index)
             part = AttnResLayer(
                 megatron_layer,
                 self.plan,

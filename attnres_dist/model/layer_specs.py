@@ -29,13 +29,20 @@ from attnres_dist.runtime.choice import RuntimeChoice
 
 
 def layer_spec(choice: RuntimeChoice):
+    """The dense layer's spec."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if choice.layer_spec.value == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.linear_proj = TraceableRowParallelLinear
     spec.submodules.mlp.submodules.linear_fc2 = TraceableRowParallelLinear
+    return patched(spec, choice)
+
+
+def patched(spec, choice: RuntimeChoice):
+    """A local spec (dense, or with the MoE MLP: ``model/moe.py``) with the attention and the
+    norms the runtime chose."""
+    spec.submodules.self_attention.submodules.linear_proj = TraceableRowParallelLinear
     if choice.core_attention.value == "sdpa":
         spec.submodules.self_attention.module = SdpaSelfAttention
         spec.submodules.self_attention.submodules.core_attention = SdpaAttention

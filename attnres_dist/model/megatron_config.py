@@ -27,8 +27,32 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
-def transformer_config(model: ModelConfig, tp: int = 1, dtype=torch.float32, on_gpu=None):
-    """``on_gpu``: the model runs on a GPU (default: CUDA is visible); enables fused softmax."""
+def moe_fields(model: ModelConfig, ep: int = 1) -> dict:
+    """Megatron-Core's MoE fields for ``model.moe`` (none for a dense model)."""
+    moe = model.moe
+    if not moe.enabled:
+        return {}
+    return {
+        "num_moe_experts": moe.num_experts,
+        "moe_router_topk": moe.top_k,
+        "moe_ffn_hidden_size": model.expert_ffn_size,
+        "moe_shared_expert_intermediate_size": moe.shared_expert_ffn_hidden_size,
+        "moe_router_load_balancing_type": moe.load_balancing,
+        "moe_aux_loss_coeff": moe.aux_loss_coeff,
+        "moe_z_loss_coeff": moe.z_loss_coeff,
+        "moe_expert_capacity_factor": moe.capacity_factor,
+        "moe_router_dtype": None if moe.router_dtype == "model" else moe.router_dtype,
+        "moe_token_dispatcher_type": moe.token_dispatcher,
+        "moe_grouped_gemm": False,  # SequentialMLP: grouped GEMM needs its CUDA library
+        "expert_model_parallel_size": ep,
+    }
+
+
+def transformer_config(
+    model: ModelConfig, tp: int = 1, dtype=torch.float32, on_gpu=None, ep: int = 1
+):
+    """``on_gpu``: the model runs on a GPU (default: CUDA is visible); enables fused softmax.
+    ``ep``: the expert-parallel size (MoE models)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if on_gpu is None:
@@ -63,4 +87,5 @@ def transformer_config(model: ModelConfig, tp: int = 1, dtype=torch.float32, on_
         apply_rope_fusion=False,
         persist_layer_norm=False,
         sequence_parallel=False,
+        **moe_fields(model, ep),
     )

@@ -4,6 +4,11 @@ Rank order is tensor-parallel fastest, then data-parallel, then pipeline, which 
 Megatron-Core's ``parallel_state`` default and DeepSpeed's ``PipeModelDataParallelTopology``
 (axes pipe, data, model). Code asks this object for coordinates instead of doing rank
 arithmetic of its own.
+
+Expert parallelism (``ep``) adds no ranks: as in Megatron-Core, each MoE layer's experts are
+split over ``ep`` consecutive data-parallel ranks (its expert rank order tp-ep-dp-pp), and the
+ranks holding the same experts (every ``ep``-th data-parallel rank) form the expert
+data-parallel group that averages their gradients.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ class ParallelDims:
     pp: int = 1
     dp: int = 1
     tp: int = 1
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -39,5 +45,11 @@ class ParallelDims:
     def rank_of(self, stage: int, dp_rank: int, tp_rank: int) -> int:
         return (stage * self.dp + dp_rank) * self.tp + tp_rank
 
+    def expert_coords(self, rank: int) -> tuple[int, int]:
+        """(expert-parallel rank, expert data-parallel rank) of a global rank."""
+        dp_rank = self.coords(rank)[1]
+        return dp_rank % self.ep, dp_rank // self.ep
+
     def describe(self) -> str:
-        return f"pp={self.pp} x dp={self.dp} x tp={self.tp} = {self.world_size} ranks"
+        experts = f" (ep={self.ep})" if self.ep > 1 else ""
+        return f"pp={self.pp} x dp={self.dp}{experts} x tp={self.tp} = {self.world_size} ranks"

@@ -73,6 +73,7 @@ def init_distributed(
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=dims.tp,
             pipeline_model_parallel_size=dims.pp,
+            expert_model_parallel_size=dims.ep,
             distributed_timeout_minutes=max(1, timeout_s // 60),
         )
     megatron_compat.seed_model_parallel_rng(seed)
@@ -118,4 +119,32 @@ def check_groups_agree(dims: ParallelDims, topology, rank: int) -> None:
             raise RuntimeError(
                 f"rank {rank}: {axis}-parallel groups disagree: Megatron {megatron}, "
                 f"DeepSpeed {deepspeed}, expected {expected}"
+            )
+    _check_expert_groups(dims, rank)
+
+
+def _check_expert_groups(dims: ParallelDims, rank: int) -> None:
+    """Megatron's expert groups must be the ones ``ParallelDims.expert_coords`` describes:
+    the checkpoint, the gradient reduction and the norm count rely on that layout."""
+    from megatron.core import parallel_state
+
+    stage, dp_rank, tp_rank = dims.coords(rank)
+    ep_rank, edp_rank = dims.expert_coords(rank)
+    first = dp_rank - ep_rank  # the data-parallel rank of this rank's expert rank 0
+    for axis, group, expected in (
+        (
+            "expert-model",
+            parallel_state.get_expert_model_parallel_group(),
+            [dims.rank_of(stage, first + e, tp_rank) for e in range(dims.ep)],
+        ),
+        (
+            "expert-data",
+            parallel_state.get_expert_data_parallel_group(),
+            [dims.rank_of(stage, ep_rank + d * dims.ep, tp_rank) for d in range(dims.dp // dims.ep)],
+        ),
+    ):
+        megatron = sorted(dist.get_process_group_ranks(group))
+        if megatron != expected:
+            raise RuntimeError(
+                f"rank {rank}: {axis}-parallel group {megatron}, expected {expected}"
             )

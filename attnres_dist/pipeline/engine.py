@@ -7,10 +7,11 @@ gradients over micro-batches and data-parallel ranks, sums the tied embedding's 
 steps a ``torch.optim.AdamW``.
 
 Gradient clipping is done here rather than by DeepSpeed: the global norm must count every
-parameter exactly once, i.e. tensor-parallel shards on every tensor rank, replicated parameters
-(norms, depth-attention queries) on tensor rank 0 only, and the tied embedding on its first
-stage only. The optimizer's ``step`` clips with that norm, summed over the pipeline and tensor
-ranks that share this data-parallel rank. Under DeepSpeed's bf16 engine or ZeRO-1
+parameter exactly once, i.e. on its first data-parallel replica (an expert split over
+expert-parallel ranks: on its first expert data-parallel replica), tensor-parallel shards on
+every tensor rank, replicated parameters (norms, depth-attention queries) on tensor rank 0
+only, and the tied embedding on its first stage only. The optimizer's ``step`` clips with that
+norm, summed over the world. Under DeepSpeed's bf16 engine or ZeRO-1
 (``precision.py``) DeepSpeed's optimizer wrapper owns the gradients and clips them itself, with
 a norm that follows the same count-once rule.
 """
@@ -27,14 +28,17 @@ from attnres_dist.data.device_copy import to_device
 from attnres_dist.model.compiled_region import SteadyGuards
 from attnres_dist.model.document_masks import loss_mask
 from attnres_dist.model.gpt import ModelBuilder
+from attnres_dist.model.moe import set_aux_loss_scale
 from attnres_dist.optim import adam_class, build_optimizer
 from attnres_dist.parallel.comm_device import comm_device
 from attnres_dist.parallel.dims import ParallelDims
+from attnres_dist.parallel.expert_params import global_expert_name, is_expert_param
 from attnres_dist.parallel.process_groups import check_groups_agree
 from attnres_dist.parallel.tp_shards import gather_full
 from attnres_dist.pipeline import (
     bf16_bookkeeping,
     deferred_skip,
+    expert_groups,
     precision,
     virtual_engine,
     virtual_setup,
@@ -46,25 +50,13 @@ from attnres_dist.pipeline.partition import compute_parts
 from attnres_dist.pipeline.single_replica import skip_single_replica_reduction
 
 
-def _model_parallel_group(dims: ParallelDims, rank: int):
-    """The group of ranks sharing this rank's data-parallel index (pipe x tensor)."""
-    mine = None
-    for dp_rank in range(dims.dp):
-        ranks = [dims.rank_of(s, dp_rank, t) for s in range(dims.pp) for t in range(dims.tp)]
-        group = dist.new_group(ranks)  # every rank creates every group, in the same order
-        if rank in ranks:
-            mine = group
-    return mine
-
-
 class GlobalNormClip:
     """Optimizer mixin: ``step`` first clips gradients to a global norm (module docstring)."""
 
-    def __init__(self, groups, *, max_norm: float, norm_params, group, **kwargs):
+    def __init__(self, groups, *, max_norm: float, norm_params, **kwargs):
         super().__init__(groups, **kwargs)
         self.max_norm = max_norm
-        self.norm_params = norm_params
-        self.norm_group = group
+        self.norm_params = norm_params  # this rank's share of the count-once rule
         self._grad_norm: torch.Tensor | None = None  # read as a number only when logged
         # set by attnres_dist.diagnostics on measured steps: sees the final, unclipped grads
         self.grad_probe = None
@@ -81,7 +73,7 @@ class GlobalNormClip:
                 sq = torch.nn.utils.get_total_norm(grads, foreach=True).double().square()
             else:  # a rank may count nothing (e.g. only replicated params on tensor rank > 0)
                 sq = torch.zeros((), dtype=torch.float64, device=comm_device())
-            dist.all_reduce(sq, group=self.norm_group)
+            dist.all_reduce(sq)  # every parameter counted on exactly one rank of the world
             norm = sq.sqrt()
             self._grad_norm = norm
             params = [p for group in self.param_groups for p in group["params"]]
@@ -145,6 +137,7 @@ class PipelineEngine:
         # one counted by the clip norm, the parameter count, checkpoints and full_state
         self._tied = frozenset(id(p) for p in self.module.tied_modules.parameters())
         self._stage = dims.coords(self.rank)[0]
+        split_experts = expert_groups.register(self.module, dims)  # before DeepSpeed's engine
         self.optimizer, self._scheduler = self._build_optimizer()
         t = cfg.train
         ds_config = {
@@ -172,6 +165,8 @@ class PipelineEngine:
                 lr_scheduler=self._scheduler,
                 config=ds_config,
             )
+        if split_experts:
+            expert_groups.enable(self.engine)
         if torch.device(self.engine.device) != comm_device():
             raise RuntimeError(
                 f"DeepSpeed's engine runs on {self.engine.device} but the run's collectives use "
@@ -219,13 +214,18 @@ class PipelineEngine:
         virtual stages rank 0 holds chunk 0, so the same rule holds)."""
         return id(p) not in self._tied or self._stage == 0
 
+    def _counted(self, p: torch.nn.Parameter) -> bool:
+        """This rank's copy is the one the global norm and the parameter count include: the
+        first replica of it (data-parallel rank 0; an expert split over ranks: its expert
+        data-parallel rank 0), on tensor rank 0 unless it is a tensor-parallel shard, and the
+        first stage's copy of the tied embedding."""
+        _, dp_rank, tp_rank = self.dims.coords(self.rank)
+        replica = self.dims.expert_coords(self.rank)[1] if is_expert_param(p) else dp_rank
+        sharded = getattr(p, "tensor_model_parallel", False)
+        return self._owned(p) and replica == 0 and (tp_rank == 0 or sharded)
+
     def _build_optimizer(self):
-        tp_rank = self.dims.coords(self.rank)[2]
-        norm_params = [
-            p
-            for _, p in self.module.named_parameters()
-            if self._owned(p) and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False))
-        ]
+        norm_params = [p for _, p in self.module.named_parameters() if self._counted(p)]
         self.norm_params = norm_params
         if precision.wrapped(self.cfg, self.runtime):  # DeepSpeed's wrapper clips (precision.py)
             return build_optimizer(
@@ -238,7 +238,6 @@ class PipelineEngine:
             clipped_optimizer_class(adam_class(self.runtime)),
             max_norm=self.cfg.optim.grad_clip,
             norm_params=norm_params,
-            group=_model_parallel_group(self.dims, self.rank),
         )
 
     def _iterator(self, micro_batches):
@@ -258,6 +257,8 @@ class PipelineEngine:
         for the device: the trainer reads it on the steps it logs or saves)."""
         if self.runtime.graphed:  # a new generation of the CUDA graph trees (compile_region)
             torch.compiler.cudagraph_mark_step_begin()
+        if self.cfg.model.moe.enabled:  # DeepSpeed scales the loss by 1 / micro-batches too
+            set_aux_loss_scale(self.cfg.grad_accum_steps, self.device)
         with self.guards.step():
             return self.engine.train_batch(data_iter=self._iterator(micro_batches))
 
@@ -293,12 +294,21 @@ class PipelineEngine:
 
     def checkpoint_params(self) -> list[tuple[str, torch.nn.Parameter, bool]]:
         """(canonical name, parameter, owned) of this stage; the tied embedding is owned by the
-        first stage (the last stage's copy is identical and is loaded, not written)."""
+        first stage (the last stage's copy is identical and is loaded, not written). Experts
+        split over ranks are named by their global index."""
         n = self.cfg.model.num_layers
         return [
-            (canonical_name(name, n), p, self._owned(p))
+            (self._name(name, n), p, self._owned(p))
             for name, p in self.module.named_parameters()
         ]
+
+    def _name(self, pipeline_name: str, num_layers: int) -> str:
+        """The canonical name of one of this rank's parameters."""
+        name = canonical_name(pipeline_name, num_layers)
+        if self.dims.ep == 1:
+            return name
+        local = self.cfg.model.moe.num_experts // self.dims.ep
+        return global_expert_name(name, self.dims.expert_coords(self.rank)[0] * local)
 
     def restored(self, step: int) -> None:
         """After a checkpoint load: DeepSpeed's own counters continue from ``step``."""
@@ -308,8 +318,6 @@ class PipelineEngine:
     def global_num_parameters(self, local: int) -> int:
         """Parameters of the whole model, each counted once (see ``_build_optimizer``)."""
         count = torch.tensor(sum(p.numel() for p in self.norm_params), device=comm_device())
-        if self.dims.dp > 1 and self.dims.coords(self.rank)[1] != 0:
-            count.zero_()
         dist.all_reduce(count)
         return int(count)
 
@@ -321,6 +329,7 @@ class PipelineEngine:
         from megatron.core import parallel_state
 
         _, dp_rank, tp_rank = self.dims.coords(self.rank)
+        edp_rank = self.dims.expert_coords(self.rank)[1]
         tp_group = parallel_state.get_tensor_model_parallel_group()
         n = self.cfg.model.num_layers
         local = {}
@@ -331,8 +340,9 @@ class PipelineEngine:
             if self.sharded_state is not None:  # the fp32 master weight (collective over dp)
                 value = self.sharded_state.master(param)
             full = gather_full(value, param, group=tp_group)
-            if dp_rank == 0 and tp_rank == 0:
-                local[canonical_name(name, n)] = full.cpu()  # pickled to rank 0 by gather_object
+            replica = edp_rank if is_expert_param(param) else dp_rank
+            if replica == 0 and tp_rank == 0:  # pickled to rank 0 by gather_object
+                local[self._name(name, n)] = full.cpu()
         gathered = [None] * dist.get_world_size() if self.rank == 0 else None
         dist.gather_object(local, gathered, dst=0)
         if self.rank != 0:

@@ -195,9 +195,10 @@ def select_depth_attention(requested: str, device: str, compiled: bool = False) 
     return Choice(requested, "set in config")
 
 
-def select_runtime(runtime, depth_attention: str = "auto") -> RuntimeChoice:
+def select_runtime(runtime, depth_attention: str = "auto", moe: bool = False) -> RuntimeChoice:
     """Resolve a ``RuntimeConfig`` (``auto`` or explicit values) against this machine, with
-    the model's depth-attention implementation (``model.attnres.impl``)."""
+    the model's depth-attention implementation (``model.attnres.impl``); ``moe``: the model
+    has MoE layers, which run Megatron's local spec (the config rules refuse ``te``)."""
     p = _Probes()
     cuda = p.get("cuda")
     device = Choice("cuda" if cuda.ok else "cpu", cuda.detail)
@@ -206,9 +207,12 @@ def select_runtime(runtime, depth_attention: str = "auto") -> RuntimeChoice:
     cuda_graphs = select_cuda_graphs(runtime.cuda_graphs, cuda, compiled)
     backend = Choice(runtime.compile_backend, "set in config") if compiled else None
     guards = _guards(runtime.guards) if compiled else None
-    layer_spec = _pick(
-        p, "layer_spec", runtime.layer_spec, "te", "local", "local", "transformer_engine", "te"
-    )
+    if moe:
+        layer_spec = Choice("local", "MoE layers: Megatron's local spec (SequentialMLP experts)")
+    else:
+        layer_spec = _pick(
+            p, "layer_spec", runtime.layer_spec, "te", "local", "local", "transformer_engine", "te"
+        )
     if compiled and layer_spec.value == "te":
         raise ConfigError(
             "runtime.compile",

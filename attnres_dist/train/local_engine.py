@@ -13,6 +13,7 @@ from attnres_dist.config import OptimConfig
 from attnres_dist.data.device_copy import to_device
 from attnres_dist.model.compiled_region import SteadyGuards
 from attnres_dist.model.gpt import AttnResGPT
+from attnres_dist.model.moe import is_moe, set_aux_loss_scale
 from attnres_dist.optim import build_optimizer
 
 
@@ -23,6 +24,7 @@ class LocalEngine:
         self.grad_clip = optim.grad_clip
         self.optimizer, self.scheduler = build_optimizer(model, optim, total_steps)
         self._grad_norm: torch.Tensor | None = None  # read as a number only when logged
+        self.moe = any(is_moe(m) for m in model.modules())  # router losses to scale
 
     def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         """One optimizer step; the mean loss as a 0-d tensor, not read here (reading it waits
@@ -33,6 +35,8 @@ class LocalEngine:
         total = torch.zeros((), dtype=torch.float64, device=self.device)  # as Python floats sum
         # on a GPU: queued copies from pinned memory, all before the first forward
         micro_batches = [to_device(window, self.device) for window in micro_batches]
+        if self.moe:  # the router losses' gradients, scaled as the mean loss's
+            set_aux_loss_scale(len(micro_batches), self.device)
         with self.guards.step():
             for window in micro_batches:
                 loss = self.model.loss(window)

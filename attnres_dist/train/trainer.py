@@ -28,13 +28,15 @@ from attnres_dist import data as data_lib
 from attnres_dist.checkpoint import faults
 from attnres_dist.checkpoint.manager import Checkpointing
 from attnres_dist.config import Config
+from attnres_dist.config.moe_rules import validate_moe_runtime
 from attnres_dist.data.gpt_samples import open_samples, plan_data
 from attnres_dist.data.prefetch import Prefetcher
-from attnres_dist.diagnostics.collector import Diagnostics
+from attnres_dist.diagnostics.collector import Diagnostics, root_module
 from attnres_dist.errors import ConfigError
 from attnres_dist.model import dropout_streams
 from attnres_dist.model.document_masks import DocumentOptions
 from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
+from attnres_dist.model.moe import RoutingStats
 from attnres_dist.parallel.core_binding import bind_cores
 from attnres_dist.parallel.dims import ParallelDims
 from attnres_dist.parallel.launch_env import detect_launch_env
@@ -105,14 +107,18 @@ def model_vocab_size(cfg: Config, meta: dict) -> int:
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.dims = ParallelDims(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp)
+        p = cfg.parallel
+        self.dims = ParallelDims(p.pp, p.dp, p.tp, p.ep)
         # all input checks (data, vocabulary, world size) run before any process group starts
         check_wandb(cfg.output.wandb)
         self.train_data, self.valid_data, self.test_data, self.meta = resolve_dataset(cfg)
         vocab = model_vocab_size(cfg, self.meta)
         # fast paths; refusals are ConfigErrors
-        self.runtime = select_runtime(cfg.runtime, cfg.model.attnres.impl)
+        self.runtime = select_runtime(
+            cfg.runtime, cfg.model.attnres.impl, moe=cfg.model.moe.enabled
+        )
         precision.check_supported(cfg, self.runtime, self.dims.world_size)
+        validate_moe_runtime(cfg, self.runtime)
         # so does choosing the checkpoint to resume: missing, damaged or foreign ones are bad input
         self.checkpoints = Checkpointing.for_run(cfg, self.meta, vocab, self.dims.tp)
         launch = detect_launch_env()
@@ -133,6 +139,7 @@ class Trainer:
             seed=cfg.train.seed,
             runtime=self.runtime,
             documents=document_options(cfg, self.meta),
+            ep=self.dims.ep,
         )
         self.engine = self._build_engine()
         self.start_step, self.resume_note = self.checkpoints.restore(
@@ -157,6 +164,9 @@ class Trainer:
             cfg.train.peak_tflops,
         )
         self.diagnostics = Diagnostics.for_run(cfg, self.engine, self.dims, self.launch.rank)
+        self.routing = None  # MoE: the routers' statistics, logged with each train record
+        if cfg.model.moe.enabled:
+            self.routing = RoutingStats(root_module(self.engine), cfg.model)
 
     def _build_engine(self):
         cfg = self.cfg
@@ -247,6 +257,8 @@ class Trainer:
                 if logged:
                     now = time.perf_counter()
                     signals = self.signals.record(window_tokens, now - window_start)  # collective
+                    if self.routing is not None:
+                        signals |= self.routing.read()  # collective
                     window_start, window_tokens = now, 0
                     norm = self.engine.last_grad_norm
                     self.metrics.log(
