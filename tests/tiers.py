@@ -128,6 +128,7 @@ FILES: dict[str, str | tuple[str, ...]] = {
     "test_layer_reference.py": FAST,
     "test_layering.py": FAST,
     "test_megatron_jit.py": FULL,
+    "test_moe.py": FAST,
     "test_model.py": FAST,
     "test_model_two_phase.py": FAST,
     "test_multinode.py": (

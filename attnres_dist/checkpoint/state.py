@@ -10,7 +10,8 @@ the model's shape; ``rng.pt`` holds every rank's RNG states.
 Saving is collective and gathers nothing to one rank: on each stage, the tensor ranks of
 data-parallel rank 0 all-gather their shards and tensor rank 0 writes the stage's file (experts
 split over expert-parallel ranks: the first replica of each expert rank writes its experts,
-named by global index, to a file of their own, so any ep reads them back); rank 0 then writes the RNG file and the manifest and commits (``store.commit``). Loading is local:
+named by global index, to a file of their own, so any ep reads them back); rank 0 then writes
+the RNG file and the manifest and commits (``store.commit``). Loading is local:
 each rank opens only the files holding its parameters and takes its shard with ``shard_of``.
 DeepSpeed's own checkpoints restore optimizer state only at the same stage count (DESIGN.md
 section 4); this format has no notion of stages, so any layout can resume any checkpoint.

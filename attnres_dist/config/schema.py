@@ -45,7 +45,8 @@ class MoEConfig:
     load_balancing: str = "aux_loss"  # one of LOAD_BALANCING
     aux_loss_coeff: float = 1e-2
     z_loss_coeff: float | None = None  # the router's z-loss (ST-MoE); None = off
-    capacity_factor: float | None = None  # tokens an expert takes per its fair share; None = dropless
+    # tokens an expert takes, in units of its fair share; None = dropless
+    capacity_factor: float | None = None
     router_dtype: str = "fp32"  # fp32 | fp64 | model: the dtype the router's logits use
     token_dispatcher: str = "alltoall"  # alltoall | allgather (Megatron's token dispatchers)
 

@@ -74,7 +74,10 @@ class RoutingStats:
     """Routing statistics of a model's (or a stage's) MoE layers over a logging window."""
 
     def __init__(self, root: torch.nn.Module, model: ModelConfig):
-        """``root``: the model, or this rank's pipeline stage."""
+        """``root``: the model, or this rank's pipeline stage. The first window starts here."""
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+        clear_aux_losses_tracker()
         self.num_layers, self.num_experts = model.num_layers, model.moe.num_experts
         self.top_k = model.moe.top_k
         self.tokens = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)

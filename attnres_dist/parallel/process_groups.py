@@ -131,6 +131,7 @@ def _check_expert_groups(dims: ParallelDims, rank: int) -> None:
     stage, dp_rank, tp_rank = dims.coords(rank)
     ep_rank, edp_rank = dims.expert_coords(rank)
     first = dp_rank - ep_rank  # the data-parallel rank of this rank's expert rank 0
+    replicas = dims.dp // dims.ep
     for axis, group, expected in (
         (
             "expert-model",
@@ -140,7 +141,7 @@ def _check_expert_groups(dims: ParallelDims, rank: int) -> None:
         (
             "expert-data",
             parallel_state.get_expert_data_parallel_group(),
-            [dims.rank_of(stage, ep_rank + d * dims.ep, tp_rank) for d in range(dims.dp // dims.ep)],
+            [dims.rank_of(stage, ep_rank + d * dims.ep, tp_rank) for d in range(replicas)],
         ),
     ):
         megatron = sorted(dist.get_process_group_ranks(group))

@@ -298,8 +298,7 @@ class PipelineEngine:
         split over ranks are named by their global index."""
         n = self.cfg.model.num_layers
         return [
-            (self._name(name, n), p, self._owned(p))
-            for name, p in self.module.named_parameters()
+            (self._name(name, n), p, self._owned(p)) for name, p in self.module.named_parameters()
         ]
 
     def _name(self, pipeline_name: str, num_layers: int) -> str:
