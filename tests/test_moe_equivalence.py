@@ -1,0 +1,104 @@
+"""MoE models in every parallel layout equal one process (fp32, losses and every parameter).
+
+The equivalence case (``equivalence_helpers.overrides``: 3 optimizer steps with clipping)
+with MoE layers (4 experts, top-2, a shared expert, the first layer dense, load-balancing
+and z-losses on) trained under torchrun: expert parallelism alone (dp = ep = 2), beside
+pipeline stages (pp = 2 x dp = 2 x ep = 2) and with experts replicated (dp = 4, ep = 2); the
+DualPipeV and interleaved schedules with ep = 2; both recompute modes; both token dispatchers.
+Each must match the single-process run of its residual mode within TOL. A checkpoint written
+at ep = 2 resumes at ep = 1 on two stages (experts stored by global index) and ends where the
+uninterrupted reference does. The selected cases of one world size share one launch.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.equivalence_helpers import (
+    assert_matches,
+    overrides,
+    result_of,
+    selected_params,
+    train_cases,
+)
+
+MOE = {
+    "model.moe.num_experts": 4,
+    "model.moe.top_k": 2,
+    "model.moe.dense_layers": 1,
+    "model.moe.shared_expert_ffn_hidden_size": 32,
+    "model.moe.z_loss_coeff": 1e-3,
+    # 8 micro-batches of 2 (4 per rank at dp = 2, as DualPipeV needs at pp = 2): the router's
+    # losses are per micro-batch, so every layout keeps the reference's micro-batches
+    "train.global_batch_size": 16,
+}
+EP2 = {"parallel.dp": 2, "parallel.ep": 2}
+CASES = {
+    "ep2-block-attnres": (2, "block", EP2 | {"parallel.recompute": "attnres"}),
+    "pp2-full": (2, "full", {"parallel.pp": 2}),
+    "pp2-ep2-block-full-recompute": (
+        4,
+        "block",
+        EP2 | {"parallel.pp": 2, "parallel.recompute": "full"},
+    ),
+    "dualpipev-ep2-full": (4, "full", EP2 | {"parallel.pp": 2, "parallel.schedule": "dualpipev"}),
+    "interleaved-ep2-baseline-allgather": (
+        4,
+        "baseline",
+        EP2
+        | {
+            "parallel.pp": 2,
+            "parallel.schedule": "interleaved",
+            "parallel.virtual_stages": 2,
+            "model.moe.token_dispatcher": "allgather",
+        },
+    ),
+    "dp4-ep2-block": (4, "block", {"parallel.dp": 4, "parallel.ep": 2}),
+}
+# written at dp = ep = 2 (step 2 of 3), resumed at pp = 2, ep = 1
+SAVE = (2, "block", EP2 | {"checkpoint.every": 2, "checkpoint.keep_last": 3})
+RESUME = (2, "block", {"parallel.pp": 2})
+
+
+def args(data: str, tmp, name: str, mode: str, extra: dict) -> list[str]:
+    return overrides(data, mode, str(tmp / "runs" / name), **MOE, **extra)
+
+
+@pytest.fixture(scope="module")
+def runs(small_dataset, tmp_path_factory, request):
+    tmp = tmp_path_factory.mktemp("moe")
+    by_world: dict[int, dict] = {}
+    modes = set()
+    for params in selected_params(request, "test_layout_matches_single_process"):
+        world, mode, extra = CASES[params["case"]]
+        by_world.setdefault(world, {})[params["case"]] = args(
+            small_dataset, tmp, params["case"], mode, extra
+        )
+        modes.add(mode)
+    if selected_params(request, "test_checkpoint_reshards_across_expert_layouts"):
+        saved = tmp / "runs" / "save" / "checkpoints" / "step-00000002"
+        cases = by_world.setdefault(2, {})
+        cases["save"] = args(small_dataset, tmp, "save", "block", SAVE[2])
+        resume = RESUME[2] | {"checkpoint.resume": str(saved)}
+        cases["resume"] = args(small_dataset, tmp, "resume", "block", resume)
+        modes.add("block")
+    refs = {mode: args(small_dataset, tmp, f"ref-{mode}", mode, {}) for mode in sorted(modes)}
+    results = {"reference": train_cases(tmp / "references", refs, nproc=1)}
+    for world, cases in sorted(by_world.items()):
+        results |= train_cases(tmp / f"world{world}", cases, nproc=world)
+    return results
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_layout_matches_single_process(case, runs):
+    mode = CASES[case][1]
+    assert_matches(result_of(runs, case), result_of(runs["reference"], mode), f"moe {case}")
+
+
+def test_checkpoint_reshards_across_expert_layouts(runs):
+    reference = result_of(runs["reference"], "block")
+    assert_matches(result_of(runs, "save"), reference, "moe save ep2")
+    resumed = result_of(runs, "resume")
+    assert len(resumed["losses"]) == 1  # step 3 only: it resumed from step 2
+    last_step = {**reference, "losses": reference["losses"][2:]}
+    assert_matches(resumed, last_step, "moe resume ep2 -> pp2")
