@@ -59,6 +59,8 @@ def checkpoint_samples(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("ckpt")
     _sample(root / "other-shape", ["model.hidden_size=64"])
     _sample(root / "other-block", ["model.attnres.block_size=4"])
+    _sample(root / "dense", [])
+    _sample(root / "moe", ["model.moe.num_experts=4"])
     data = _sample(root / "damaged", []) / "stage-000.safetensors"
     raw = bytearray(data.read_bytes())
     raw[-1] ^= 0xFF

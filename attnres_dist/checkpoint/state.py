@@ -129,7 +129,7 @@ def model_signature(model, padded_vocab_size: int) -> dict:
 
 # signature entries written only when they differ from their default (a dense model has no
 # MoE entries: an MoE checkpoint resumed as dense names num_experts, and the reverse)
-_SIGNATURE_DEFAULTS = {"model.attnres.source_scaled_eps": None, "model.moe.num_experts": None}
+_SIGNATURE_DEFAULTS = {"model.attnres.source_scaled_eps": None, "model.moe.num_experts": 0}
 
 
 def check_signature(ckpt: Checkpoint, signature: dict) -> None:
@@ -138,10 +138,11 @@ def check_signature(ckpt: Checkpoint, signature: dict) -> None:
     keys = [*signature, *(k for k in _SIGNATURE_DEFAULTS if k in theirs and k not in signature)]
     for key in keys:
         ours = signature.get(key, _SIGNATURE_DEFAULTS.get(key))
-        if theirs.get(key) != ours:
+        written = theirs.get(key, _SIGNATURE_DEFAULTS.get(key))
+        if written != ours:
             raise CheckpointError(
                 str(ckpt.path),
-                f"written for {key}={theirs.get(key)} but this run has {key}={ours}; use the "
+                f"written for {key}={written} but this run has {key}={ours}; use the "
                 "checkpoint's model settings or set checkpoint.resume=none",
             )
 
