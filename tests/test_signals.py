@@ -21,14 +21,16 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from attnres_dist.config import AttnResConfig, ModelConfig
+from attnres_dist.config import AttnResConfig, ModelConfig, MoEConfig
 from attnres_dist.train.flops import depth_sources, mfu, training_flops_per_token
 from attnres_dist.train.signals import StepSignals, peak_memory_bytes, resolve_peak_tflops
 
-CASES = [  # (mode, block size, tied, query groups)
+CASES = [  # (mode, block size, tied, query groups[, MoE])
     ("baseline", 2, True, None),
     ("block", 3, True, 2),
     ("full", 1, False, None),
+    # layer 0 dense, layer 1 MoE: top-2 of 4 experts of width 40 and a shared one of 24
+    ("block", 2, True, None, MoEConfig(4, 2, 40, 24, dense_layers=1)),
 ]
 
 
@@ -40,7 +42,7 @@ def process_group():
     init_distributed(ParallelDims(), seed=0)
 
 
-def model_config(mode, block_size, tied, groups) -> ModelConfig:
+def model_config(mode, block_size, tied, groups, moe=None) -> ModelConfig:
     return ModelConfig(
         num_layers=2,
         hidden_size=32,
@@ -49,10 +51,11 @@ def model_config(mode, block_size, tied, groups) -> ModelConfig:
         seq_length=16,
         tie_embeddings=tied,
         attnres=AttnResConfig(mode=mode, block_size=block_size),
+        moe=moe or MoEConfig(),
     )
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0] + ("-moe" if len(c) > 4 else ""))
 def test_matmul_flops_equal_flop_counter(case):
     from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
 
@@ -82,7 +85,7 @@ def matmul_depth_attention(query, sources, gain, eps=1e-6):
     return alpha.transpose(1, 2) @ values  # [tokens, 1, h]
 
 
-@pytest.mark.parametrize("case", CASES[1:], ids=lambda c: c[0])
+@pytest.mark.parametrize("case", CASES[1:3], ids=lambda c: c[0])
 def test_depth_flops_equal_counted_matmul_products(case):
     cfg = model_config(*case)
     plan, h, tokens = cfg.block_plan(), cfg.hidden_size, 5 * 3

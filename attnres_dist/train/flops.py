@@ -9,7 +9,10 @@ SwiGLU width f, sequence length s and (padded) vocabulary V:
 * attention projections: ``2 h (h + 2 g d)`` (QKV) + ``2 h^2`` (output)
 * attention itself: ``4 s h`` (scores and the weighted sum over all ``s`` keys; the local
   attention computes the full ``s x s`` product and masks it)
-* SwiGLU MLP: ``6 h f`` (gate and up ``h -> 2f``, down ``f -> h``)
+* SwiGLU MLP: ``6 h f`` (gate and up ``h -> 2f``, down ``f -> h``); an MoE layer's MLP counts
+  the activated experts: ``6 h (k f_e + f_s)`` for top-k experts of width ``f_e`` and a shared
+  expert of width ``f_s``, plus its router ``2 h E`` (E experts); tokens a capacity drops are
+  counted as computed
 * LM head: ``2 h V``
 * depth attention, per sublayer mixing ``n`` sources: ``4 h n`` (one ``h``-long dot product per
   source for its logit, one multiply-add per element for the weighted sum); the keys' RMSNorm
@@ -58,8 +61,12 @@ def training_flops_per_token(model, vocab_size: int) -> FlopsPerToken:
     n = model.num_attention_heads
     g = model.num_query_groups or n
     d = h // n
-    per_layer = 2 * h * (h + 2 * g * d) + 2 * h * h + 4 * s * h + 6 * h * f
-    forward = model.num_layers * per_layer + 2 * h * vocab_size
+    attention = 2 * h * (h + 2 * g * d) + 2 * h * h + 4 * s * h
+    moe = model.moe
+    moe_mlp = 6 * h * (moe.top_k * model.expert_ffn_size + (moe.shared_expert_ffn_hidden_size or 0))
+    moe_mlp += 2 * h * moe.num_experts
+    mlps = [moe_mlp if moe.is_moe_layer(i) else 6 * h * f for i in range(model.num_layers)]
+    forward = model.num_layers * attention + sum(mlps) + 2 * h * vocab_size
     depth = 4 * h * depth_sources(model.block_plan())
     return FlopsPerToken(matmul=3.0 * forward, depth=3.0 * depth)
 
