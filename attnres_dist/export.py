@@ -76,6 +76,13 @@ def export_checkpoint(
 
     _check_target(fmt, output)
     ckpt = store.resolve(source, warn)
+    experts = ckpt.config["model"].get("moe", {}).get("num_experts", 0)
+    if experts:
+        raise UserError(
+            str(ckpt.path),
+            f"an MoE model (model.moe.num_experts={experts}): the exported modeling code has "
+            "no MoE MLP yet; evaluate or resume it with attnres-dist train",
+        )
     tokenizer = _checkpoint_tokenizer(ckpt)
     trained = read_tensors(ckpt, "model/")
     tensors = spec_names.to_local_names(trained)
