@@ -93,10 +93,10 @@ def validate_moe(cfg: Config) -> None:
         "num_experts / ep experts)",
     )
     _require(
-        p.tp == 1,
+        p.tp == 1 or p.sequence_parallel,
         "parallel.tp",
-        f"got {p.tp}; MoE layers with tp > 1 need sequence parallelism (Megatron requires it), "
-        "which is not built yet; set parallel.tp=1 and split the experts with parallel.ep",
+        f"got {p.tp}; MoE layers with tp > 1 need sequence parallelism (Megatron requires it): "
+        "set parallel.sequence_parallel=true, or parallel.tp=1",
     )
     _require(
         cfg.runtime.compile not in COMPILED,
@@ -117,6 +117,14 @@ def validate_moe_runtime(cfg: Config, runtime) -> None:
     p = cfg.parallel
     if p.ep == 1:
         return
+    dispatcher = cfg.model.moe.token_dispatcher
+    _require(
+        not (dispatcher == "alltoall" and p.tp > 1 and runtime.device.value == "cpu"),
+        "model.moe.token_dispatcher",
+        f"got 'alltoall' with parallel.tp={p.tp} and ep={p.ep} on the CPU: it gathers uneven "
+        "token counts over the tensor group, which gloo's all_gather does not run; set "
+        "model.moe.token_dispatcher=allgather",
+    )
     _require(
         not runtime.bf16 and p.zero_stage == 0,
         "parallel.ep",

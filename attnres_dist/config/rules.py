@@ -153,6 +153,7 @@ def validate(cfg: Config) -> None:
             f"got {p.tp}; must divide model.{name}={value}",
         )
     validate_moe(cfg)
+    _validate_sequence_parallel(cfg)
     validate_schedule(cfg)
     per_rank = chunks_per_rank(cfg)
     unit = "stage" if per_rank == 1 else "chunk"
@@ -187,6 +188,37 @@ def validate(cfg: Config) -> None:
         "is empty; use auto, none, or the path of a checkpoint",
     )
     _require(c.dir is None or c.dir.strip() != "", "checkpoint.dir", "is empty; use null or a path")
+
+
+def _validate_sequence_parallel(cfg: Config) -> None:
+    p, m = cfg.parallel, cfg.model
+    if not p.sequence_parallel:
+        return
+    _require(
+        p.tp > 1,
+        "parallel.sequence_parallel",
+        f"true splits the sequence over the tensor ranks, but parallel.tp={p.tp}; set "
+        "parallel.tp > 1 or sequence_parallel=false",
+    )
+    _require(
+        m.seq_length % p.tp == 0,
+        "parallel.sequence_parallel",
+        f"true splits model.seq_length={m.seq_length} over parallel.tp={p.tp} ranks, which "
+        "must divide it; change seq_length or tp",
+    )
+    _require(
+        max(m.hidden_dropout, m.attention_dropout) == 0,
+        "parallel.sequence_parallel",
+        f"true with dropout (model.hidden_dropout={m.hidden_dropout}, attention_dropout="
+        f"{m.attention_dropout}): the dropout streams are per sequence, not per split; set "
+        "both to 0 or sequence_parallel=false",
+    )
+    _require(
+        cfg.runtime.compile not in COMPILED,
+        "parallel.sequence_parallel",
+        f"true with runtime.compile={cfg.runtime.compile!r}: the sequence gathers are not "
+        "traced yet; set runtime.compile=off or sequence_parallel=false",
+    )
 
 
 def _validate_runtime(r: RuntimeConfig) -> None:

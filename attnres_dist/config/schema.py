@@ -150,6 +150,10 @@ class ParallelConfig:
     # expert parallelism: each MoE layer's experts split over ep data-parallel ranks
     # (Megatron-Core's expert-parallel groups; it divides dp, so it adds no ranks)
     ep: int = 1
+    # Megatron's sequence parallelism (tp > 1): outside the tensor-parallel matmuls the
+    # activations, and the depth state with them, are split along the sequence over the tensor
+    # ranks, so each stores and sends 1 / tp of the block list
+    sequence_parallel: bool = False
     partition: str | list[int] = "uniform"  # uniform | parameters | [layers per stage]
     recompute: str = "none"  # none | attnres | full
     recompute_interval: int = 1  # layers per checkpointed chunk with recompute: full
@@ -255,3 +259,9 @@ class Config:
     def world_size(self) -> int:
         p = self.parallel
         return p.pp * p.dp * p.tp
+
+    @property
+    def local_seq_length(self) -> int:
+        """The sequence positions one rank's activations hold (sequence parallelism: 1 / tp)."""
+        p = self.parallel
+        return self.model.seq_length // (p.tp if p.sequence_parallel else 1)

@@ -18,16 +18,11 @@ from attnres_dist.model import compiled_region, dropout_streams
 from attnres_dist.model.depth_mixing import DepthMixer, mixer_weights
 from attnres_dist.model.depth_state import DepthState
 from attnres_dist.model.document_masks import DocumentOptions, document_layout
+from attnres_dist.model.layer_specs import TorchRMSNorm
 
 
 def _final_norm(config):
-    from megatron.core.models.backends import LocalSpecProvider
-    from megatron.core.transformer.spec_utils import build_module
-
-    norm_cls = LocalSpecProvider().layer_norm(rms_norm=True, for_qk=False)
-    return build_module(
-        norm_cls, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon
-    )
+    return TorchRMSNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
 
 
 def _lm_head(config, vocab_size: int, skip_weight: bool):

@@ -59,6 +59,7 @@ class ModelBuilder:
         runtime: RuntimeChoice | None = None,
         documents: DocumentOptions | None = None,
         ep: int = 1,
+        sequence_parallel: bool = False,
     ):
         megatron_compat.apply()
         self.documents = documents  # Megatron's document options; None = plain causal samples
@@ -67,7 +68,12 @@ class ModelBuilder:
         self.plan: BlockPlan = model.block_plan()
         self.vocab_size = padded_vocab_size(vocab_size, model.make_vocab_size_divisible_by, tp)
         self.config = transformer_config(
-            model, tp=tp, dtype=dtype, on_gpu=self.runtime.on_gpu, ep=ep
+            model,
+            tp=tp,
+            dtype=dtype,
+            on_gpu=self.runtime.on_gpu,
+            ep=ep,
+            sequence_parallel=sequence_parallel,
         )
         self.seed = seed
         self.depth_attention = self._depth_attention()

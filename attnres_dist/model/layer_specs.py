@@ -13,7 +13,9 @@
   projection and the MLP's second linear of the local spec: Megatron's ``RowParallelLinear``
   with the group lookup a compiler cannot trace taken out (same parameters and arithmetic).
 * norms: apex's FusedRMSNorm (GPU), the project's fused C RMSNorm (``cpu``:
-  ``attnres_dist.ops.cpu_rms_norm``) or torch's RMSNorm, built with Megatron's norm signature
+  ``attnres_dist.ops.cpu_rms_norm``) or torch's RMSNorm (``TorchRMSNorm``: Megatron's
+  ``WrappedTorchNorm`` without its refusal of sequence parallelism), built with Megatron's norm
+  signature
   (Megatron's own apex norm, FusedLayerNorm, refuses RMSNorm). All name their gain ``weight``,
   so the choice never changes a checkpoint.
 """
@@ -53,6 +55,15 @@ def patched(spec, choice: RuntimeChoice):
     return spec
 
 
+class TorchRMSNorm:
+    """torch's RMSNorm behind Megatron's norm constructor: what Megatron's ``WrappedTorchNorm``
+    builds, without its refusal of sequence parallelism (Megatron refuses because it would not
+    sum the gain's gradient over the tensor ranks; ``pipeline/sequence_parallel.py`` does)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        return torch.nn.RMSNorm(hidden_size, eps=eps)
+
+
 class ApexRMSNorm:
     """apex FusedRMSNorm behind Megatron's norm constructor ``(config, hidden_size, eps)``."""
 
@@ -62,7 +73,7 @@ class ApexRMSNorm:
         return FusedRMSNorm(hidden_size, eps=eps)
 
 
-_NORMS = {"apex": ApexRMSNorm, "cpu": CpuRMSNorm}  # torch: the spec's own
+_NORMS = {"apex": ApexRMSNorm, "cpu": CpuRMSNorm, "torch": TorchRMSNorm}
 
 
 def final_norm(choice: RuntimeChoice, config) -> torch.nn.Module | None:

@@ -49,10 +49,15 @@ def moe_fields(model: ModelConfig, ep: int = 1) -> dict:
 
 
 def transformer_config(
-    model: ModelConfig, tp: int = 1, dtype=torch.float32, on_gpu=None, ep: int = 1
+    model: ModelConfig,
+    tp: int = 1,
+    dtype=torch.float32,
+    on_gpu=None,
+    ep: int = 1,
+    sequence_parallel: bool = False,
 ):
     """``on_gpu``: the model runs on a GPU (default: CUDA is visible); enables fused softmax.
-    ``ep``: the expert-parallel size (MoE models)."""
+    ``ep``: the expert-parallel size (MoE models); ``sequence_parallel``: Megatron's (tp > 1)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if on_gpu is None:
@@ -86,6 +91,6 @@ def transformer_config(
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
-        sequence_parallel=False,
+        sequence_parallel=sequence_parallel,
         **moe_fields(model, ep),
     )

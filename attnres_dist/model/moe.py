@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from attnres_dist.config import ModelConfig
+from attnres_dist.parallel.tp_shards import is_sharded, shard_of
 
 
 def moe_layer_spec(num_experts: int):
@@ -45,17 +46,32 @@ def init_experts(mlp, seeded, layer_index: int) -> None:
     Megatron's CPU initialisation, from the config's init methods. ``seeded(name)``: the
     builder's seed context (``model/gpt.py``)."""
     config = mlp.config
+    tp = mlp.experts.tp_group  # the experts' tensor-parallel group (Megatron: tp's ranks)
     for local, expert in zip(mlp.local_expert_indices, mlp.experts.local_experts, strict=True):
         with seeded(f"layer.{layer_index}.expert.{local}"):
-            _draw(expert, config)
+            _draw(expert, config, tp.rank(), tp.size())
     if mlp.shared_experts is not None:
+        shared = mlp.shared_experts.tp_group
         with seeded(f"layer.{layer_index}.shared_expert"):
-            _draw(mlp.shared_experts, config)
+            _draw(mlp.shared_experts, config, shared.rank(), shared.size())
 
 
-def _draw(mlp, config) -> None:
-    config.init_method(mlp.linear_fc1.weight)
-    config.output_layer_init_method(mlp.linear_fc2.weight)
+def _draw(mlp, config, rank: int, size: int) -> None:
+    """The full weights drawn, this tensor rank's shards kept (Megatron's CPU initialisation)."""
+    for linear, init in (
+        (mlp.linear_fc1, config.init_method),
+        (mlp.linear_fc2, config.output_layer_init_method),
+    ):
+        weight = linear.weight
+        if not is_sharded(weight) or size == 1:
+            init(weight)
+            continue
+        dim, stride = weight.partition_dim, weight.partition_stride
+        full = torch.empty(
+            [n * size if d == dim else n for d, n in enumerate(weight.shape)], dtype=torch.float32
+        )
+        init(full)
+        weight.copy_(shard_of(full, dim, stride, rank, size))
 
 
 def set_aux_loss_scale(micro_batches: int, device) -> None:

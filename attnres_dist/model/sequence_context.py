@@ -80,6 +80,8 @@ def sequence_context(
     ``mscale``: the rotary tables' scale, None = no tables."""
     kv_channels = config.kv_channels or config.hidden_size // config.num_attention_heads
     seq_len = like.shape[seq_dim]
+    if config.sequence_parallel:  # the attention gathers the tensor ranks' sequence splits
+        seq_len *= config.tensor_model_parallel_size
     ctx = _cached(seq_len, kv_channels, rotary_base, rope_scaling_factor, str(like.device))
     if mscale is None:
         return ctx

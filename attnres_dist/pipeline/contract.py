@@ -135,7 +135,12 @@ def boundary_specs_for_config(cfg, vocab_size: int, dtype: torch.dtype = torch.f
     m = cfg.model
     parts = compute_parts(m, cfg.parallel.pp, cfg.parallel.partition, vocab_size)
     return boundary_specs(
-        m.block_plan(), parts, m.seq_length, cfg.train.micro_batch_size, m.hidden_size, dtype
+        m.block_plan(),
+        parts,
+        cfg.local_seq_length,
+        cfg.train.micro_batch_size,
+        m.hidden_size,
+        dtype,
     )
 
 

@@ -40,6 +40,7 @@ from attnres_dist.pipeline import (
     deferred_skip,
     expert_groups,
     precision,
+    sequence_parallel,
     virtual_engine,
     virtual_setup,
     watchdog,
@@ -148,8 +149,13 @@ class PipelineEngine:
             "wall_clock_breakdown": False,
             # virtual stages send whole payloads from every tensor rank (their receives are
             # allocated from the plan's full shapes), not DeepSpeed's tensor-parallel slices
+            # (and under sequence parallelism each tensor rank's payload is its own split)
             "pipeline": {"use_reentrant": False}
-            | ({"pipe_partitioned": False, "grad_partitioned": False} if self.virtual else {}),
+            | (
+                {"pipe_partitioned": False, "grad_partitioned": False}
+                if self.virtual or cfg.parallel.sequence_parallel
+                else {}
+            ),
             # bf16 engine / ZeRO-1 (DeepSpeed clips), or fp32 ZeRO-0 (ClippedAdamW clips)
             **precision.ds_config_section(cfg, self.runtime),
         }
@@ -183,6 +189,11 @@ class PipelineEngine:
         # dp = 1: DeepSpeed's gradient all-reduce over one rank is a no-op (single_replica.py)
         zero1_fp32 = cfg.parallel.zero_stage == 1 and not self.runtime.bf16
         skip_single_replica_reduction(self.engine, dims.dp, zero1_fp32)
+        if cfg.parallel.sequence_parallel:  # replicated parameters saw 1 / tp of the positions
+            from megatron.core import parallel_state
+
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+            sequence_parallel.install(self.engine, self.module, tp_group)
         # the bf16 optimizer's per-parameter loops as multi-tensor ops, and its skip of a step
         # with a non-finite norm decided on the device (bf16_bookkeeping.py, deferred_skip.py)
         self.bookkeeping = bf16_bookkeeping.install(

@@ -37,6 +37,13 @@ def check_supported(cfg, runtime, world_size: int) -> None:
     """Refuse, before any process group starts, what the wrappers cannot serve."""
     from attnres_dist.errors import ConfigError
 
+    if cfg.parallel.sequence_parallel and wrapped(cfg, runtime):
+        raise ConfigError(
+            "parallel.sequence_parallel",
+            f"true with runtime.dtype={runtime.dtype.value}, parallel.zero_stage="
+            f"{cfg.parallel.zero_stage}: the tensor-group sum of its gradients runs on the "
+            "fp32 ZeRO-0 path only so far; set runtime.dtype=fp32 and parallel.zero_stage=0",
+        )
     deepspeed_engine = world_size > 1 or runtime.dtype.value == "bf16"
     if cfg.metrics.every_k and deepspeed_engine and wrapped(cfg, runtime):
         raise ConfigError(

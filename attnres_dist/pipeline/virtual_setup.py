@@ -34,7 +34,12 @@ def payload_dtype(runtime):
 def cache_plan(cfg: Config, layout: VirtualLayout, itemsize: int = 4) -> CachePlan:
     m = cfg.model
     return CachePlan(
-        layout, m.block_plan(), m.seq_length, cfg.train.micro_batch_size, m.hidden_size, itemsize
+        layout,
+        m.block_plan(),
+        cfg.local_seq_length,
+        cfg.train.micro_batch_size,
+        m.hidden_size,
+        itemsize,
     )
 
 

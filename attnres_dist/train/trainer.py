@@ -140,6 +140,7 @@ class Trainer:
             runtime=self.runtime,
             documents=document_options(cfg, self.meta),
             ep=self.dims.ep,
+            sequence_parallel=cfg.parallel.sequence_parallel,
         )
         self.engine = self._build_engine()
         self.start_step, self.resume_note = self.checkpoints.restore(

@@ -1,0 +1,122 @@
+"""Sequence parallelism (tp = 2) equals one process, dense and MoE; its boundaries carry 1 / tp.
+
+Megatron's sequence parallelism splits the activations outside the tensor-parallel matmuls
+along the sequence, and the depth state with them: each tensor rank stores and sends its
+split of every completed block and of the partial block. The equivalence case
+(``equivalence_helpers.overrides``, 8 micro-batches of 2) at tp = 2 with sequence parallelism,
+beside pipeline stages, DualPipeV and interleaved, for dense and MoE models (experts split
+over tensor ranks, and over data-parallel ranks with ep = 2), must match the single-process
+run of its mode within TOL. The profiler measures, on the wire, the bytes one rank sends over
+a stage boundary: the contract's per-rank payload, 1 / tp of the payload without it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from attnres_dist.config import load_config
+from attnres_dist.pipeline.contract import boundary_specs_for_config
+from tests.conftest import TINY_MODEL, run_job
+from tests.equivalence_helpers import (
+    assert_matches,
+    overrides,
+    result_of,
+    selected_params,
+    train_cases,
+)
+
+SP = {"parallel.tp": 2, "parallel.sequence_parallel": True}
+BATCH = {"train.global_batch_size": 16}  # 4 micro-batches per rank at dp = 2 (DualPipeV)
+MOE = {
+    "model.moe.num_experts": 4,
+    "model.moe.top_k": 2,
+    "model.moe.dense_layers": 1,
+    "model.moe.shared_expert_ffn_hidden_size": 32,
+    "model.moe.z_loss_coeff": 1e-3,
+}
+ALLGATHER = {"model.moe.token_dispatcher": "allgather"}  # gloo: tp and ep together (rules)
+CASES = {  # name: (world, mode, moe, settings)
+    "tp2-block": (2, "block", False, {}),
+    "tp2-moe-block": (2, "block", True, {}),
+    "pp2-tp2-full": (4, "full", False, {"parallel.pp": 2}),
+    "dp2-ep2-tp2-moe-block": (4, "block", True, {"parallel.dp": 2, "parallel.ep": 2} | ALLGATHER),
+    "interleaved-tp2-baseline-full-recompute": (
+        4,
+        "baseline",
+        False,
+        {
+            "parallel.pp": 2,
+            "parallel.schedule": "interleaved",
+            "parallel.virtual_stages": 2,
+            "parallel.recompute": "full",
+        },
+    ),
+    "dualpipev-tp2-moe-full": (
+        4,
+        "full",
+        True,
+        {"parallel.pp": 2, "parallel.schedule": "dualpipev", "parallel.recompute": "attnres"},
+    ),
+}
+
+
+def reference_name(mode: str, moe: bool) -> str:
+    return f"{mode}-moe" if moe else mode
+
+
+@pytest.fixture(scope="module")
+def runs(small_dataset, tmp_path_factory, request):
+    tmp = tmp_path_factory.mktemp("sp")
+    by_world: dict[int, dict] = {}
+    refs = {}
+    for params in selected_params(request, "test_sequence_parallel_matches_single_process"):
+        name = params["case"]
+        world, mode, moe, extra = CASES[name]
+        base = BATCH | (MOE if moe else {})
+        run = str(tmp / "runs" / name)
+        by_world.setdefault(world, {})[name] = overrides(
+            small_dataset, mode, run, **base, **SP, **extra
+        )
+        ref = reference_name(mode, moe)
+        refs[ref] = overrides(small_dataset, mode, str(tmp / "runs" / f"ref-{ref}"), **base)
+    results = {"reference": train_cases(tmp / "references", refs, nproc=1)}
+    for world, cases in sorted(by_world.items()):
+        results |= train_cases(tmp / f"world{world}", cases, nproc=world)
+    return results
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sequence_parallel_matches_single_process(case, runs):
+    _, mode, moe, _ = CASES[case]
+    reference = result_of(runs["reference"], reference_name(mode, moe))
+    assert_matches(result_of(runs, case), reference, f"sp {case}")
+
+
+def test_profiled_boundary_bytes_per_rank_fall_by_tp(small_dataset, tmp_path):
+    """pp = 2 x tp = 2, Block: each tensor rank sends its split of the blocks, one tensor of
+    the contract's per-rank bytes, half the payload without sequence parallelism."""
+    args = [
+        f"data.path={small_dataset}",
+        *TINY_MODEL,
+        "parallel.pp=2",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        f"output.run_dir={tmp_path}",
+    ]
+    cli = ["-m", "attnres_dist.cli", "profile", "--warmup", "1", "--steps", "2"]
+    run_job([*cli, "--trace-steps", "1", "--pingpong-reps", "3", "--modes", "block", *args], 4)
+    profile = json.loads((tmp_path / "block" / "comm_profile.json").read_text())
+    [row] = profile["boundaries"]
+    cfg = load_config(None, [*args, "model.attnres.mode=block"])
+    [split] = boundary_specs_for_config(cfg, vocab_size=256)
+    cfg.parallel.sequence_parallel = False
+    [whole] = boundary_specs_for_config(cfg, vocab_size=256)
+    assert split.bytes_forward * 2 == whole.bytes_forward
+    assert split.shape[1] * 2 == whole.shape[1]  # [k, s / tp, b, h]
+    for direction in ("forward", "backward"):
+        measured = row[direction]
+        assert measured["measured_bytes_per_micro_batch"] == split.bytes_forward
+        assert measured["tensors_per_micro_batch"] == 1
+    assert profile["bytes_equal_contract"]
