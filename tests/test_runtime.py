@@ -10,6 +10,8 @@ group starts. bf16 is DeepSpeed's bf16 engine, which runs on CPU too (tests/test
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -296,8 +298,11 @@ def test_choices_route_to_megatron_specs_and_optimizers(monkeypatch):
 
     reference = RuntimeChoice.reference()
     spec = layer_specs.layer_spec(reference)
-    assert spec.submodules.input_layernorm.__name__ == "WrappedTorchNorm"
-    assert layer_specs.final_norm(reference, None) is None
+    # torch's RMSNorm, as Megatron's WrappedTorchNorm builds it but open to sequence parallelism
+    assert spec.submodules.input_layernorm is layer_specs.TorchRMSNorm
+    config = types.SimpleNamespace(hidden_size=8, layernorm_epsilon=1e-6)
+    norm = layer_specs.final_norm(reference, config)
+    assert type(norm) is torch.nn.RMSNorm and norm.eps == 1e-6 and norm.weight.shape == (8,)
     assert adam_class(reference) is torch.optim.AdamW
     assert clipped_optimizer_class(torch.optim.AdamW) is ClippedAdamW
 
