@@ -76,12 +76,13 @@ def export_checkpoint(
 
     _check_target(fmt, output)
     ckpt = store.resolve(source, warn)
-    experts = ckpt.config["model"].get("moe", {}).get("num_experts", 0)
-    if experts:
+    moe = ckpt.config["model"].get("moe", {})
+    if moe.get("num_experts") and moe.get("capacity_factor") is not None:
         raise UserError(
             str(ckpt.path),
-            f"an MoE model (model.moe.num_experts={experts}): the exported modeling code has "
-            "no MoE MLP yet; evaluate or resume it with attnres-dist train",
+            f"an MoE model trained with model.moe.capacity_factor={moe['capacity_factor']}: "
+            "the exported modeling code routes dropless, so it would not compute this model; "
+            "train with capacity_factor=null to export",
         )
     tokenizer = _checkpoint_tokenizer(ckpt)
     trained = read_tensors(ckpt, "model/")

@@ -61,6 +61,7 @@ def checkpoint_samples(tmp_path_factory) -> Path:
     _sample(root / "other-block", ["model.attnres.block_size=4"])
     _sample(root / "dense", [])
     _sample(root / "moe", ["model.moe.num_experts=4"])
+    _sample(root / "moe-capacity", ["model.moe.num_experts=4", "model.moe.capacity_factor=1.0"])
     data = _sample(root / "damaged", []) / "stage-000.safetensors"
     raw = bytearray(data.read_bytes())
     raw[-1] ^= 0xFF

@@ -62,6 +62,22 @@ CASES = {
         "model.attnres.mode": "delta_full",
         "model.attnres.source_scaled_eps": True,
     },
+    # mixture of experts (Megatron-Core's MoELayer): the first layer dense, a shared expert
+    "block3-moe-shared-tied": {
+        "model.attnres.block_size": 3,
+        "model.moe.num_experts": 4,
+        "model.moe.top_k": 2,
+        "model.moe.dense_layers": 1,
+        "model.moe.expert_ffn_hidden_size": 40,
+        "model.moe.shared_expert_ffn_hidden_size": 24,
+    },
+    "full-moe-pattern-untied": {
+        "model.attnres.mode": "full",
+        "model.tie_embeddings": False,
+        "model.moe.num_experts": 3,
+        "model.moe.top_k": 1,
+        "model.moe.pattern": "[1,0,1,0]",
+    },
 }
 
 
@@ -140,8 +156,10 @@ def test_logits_equal_the_single_process_model(case, tmp_path):
     assert diff <= TOL, diff
 
 
-@pytest.mark.parametrize("case", ["delta_full-untied", "delta_block3-uneven-tied-gqa"])
-def test_delta_generation_with_the_kv_cache_equals_without(case, tmp_path):
+@pytest.mark.parametrize(
+    "case", ["delta_full-untied", "delta_block3-uneven-tied-gqa", "block3-moe-shared-tied"]
+)
+def test_generation_with_the_kv_cache_equals_without(case, tmp_path):
     model, model_cfg = build(CASES[case], seq_length=32)
     hf = load_hf(export(model, model_cfg, tmp_path / "hf"))
     prompt = torch.tensor([list(b"def main(")])

@@ -34,6 +34,12 @@ class AttnResConfig(PretrainedConfig):
         attnres_block_size=2,
         attnres_source_scaled_eps=False,
         depth_attention_eps=1e-6,
+        num_experts=0,
+        num_experts_per_tok=2,
+        moe_intermediate_size=None,
+        shared_expert_intermediate_size=None,
+        moe_layers=None,
+        router_dtype="fp32",
         tie_word_embeddings=True,
         use_cache=True,
         bos_token_id=None,
@@ -62,6 +68,15 @@ class AttnResConfig(PretrainedConfig):
         # (1 + 1/n)^2): an imported model is exact at step 0 (modeling_attnres.norm_eps)
         self.attnres_source_scaled_eps = attnres_source_scaled_eps
         self.depth_attention_eps = depth_attention_eps
+        # mixture of experts (0 experts: dense): the layers in moe_layers route each token to
+        # num_experts_per_tok SwiGLU experts of moe_intermediate_size (the softmax over the
+        # chosen router logits, computed in router_dtype), plus a shared expert if sized
+        self.num_experts = num_experts
+        self.num_experts_per_tok = num_experts_per_tok
+        self.moe_intermediate_size = moe_intermediate_size or intermediate_size
+        self.shared_expert_intermediate_size = shared_expert_intermediate_size
+        self.moe_layers = list(moe_layers or [])
+        self.router_dtype = router_dtype
         self.use_cache = use_cache
         self.tie_word_embeddings = tie_word_embeddings
         super().__init__(

@@ -12,7 +12,9 @@ It computes what the trainer's single-process model computes (arXiv 2603.15031):
   ``k_proj``, ``v_proj``); rotary embedding on every channel, non-interleaved halves
   (``rotate_half``, Megatron's default), ``inv_freq = 1 / theta^(2i/d)``; SwiGLU
   ``down(silu(gate(x)) * up(x))`` (Megatron's ``linear_fc1`` rows are ``[gate; up]``); no
-  biases.
+  biases. Mixture-of-experts layers (``moe_layers``): Megatron-Core's ``MoELayer`` as
+  ``AttnResMoE`` (top-k routing, softmax over the chosen logits, SwiGLU experts, a shared
+  expert), dropless.
 * Depth attention (DESIGN section 2): the input of every sublayer is a softmax mix over the
   sources (Full: every earlier sublayer output and the embedding; Block: completed block sums
   plus the partial block), keys ``RMSNorm(s_j) * g`` (eps ``depth_attention_eps``), logits
@@ -135,15 +137,53 @@ class AttnResAttention(nn.Module):
 
 
 class AttnResMLP(nn.Module):
-    def __init__(self, config: AttnResConfig):
+    def __init__(self, config: AttnResConfig, width: int | None = None):
         super().__init__()
-        h, f = config.hidden_size, config.intermediate_size
+        h, f = config.hidden_size, width or config.intermediate_size
         self.gate_proj = nn.Linear(h, f, bias=False)
         self.up_proj = nn.Linear(h, f, bias=False)
         self.down_proj = nn.Linear(f, h, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "model": None}
+
+
+class AttnResMoE(nn.Module):
+    """A mixture-of-experts MLP: each token goes to its top-k experts by the router's logits,
+    weighted by the softmax over the chosen logits (Mixtral's routing, Megatron-Core's
+    default; top-1: the chosen expert's softmax over all logits, Switch Transformer's), plus
+    the shared expert if there is one. Dropless."""
+
+    def __init__(self, config: AttnResConfig):
+        super().__init__()
+        self.top_k, self.dtype = config.num_experts_per_tok, ROUTER_DTYPES[config.router_dtype]
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        width = config.moe_intermediate_size
+        self.experts = nn.ModuleList(AttnResMLP(config, width) for _ in range(config.num_experts))
+        shared = config.shared_expert_intermediate_size
+        self.shared_expert = AttnResMLP(config, shared) if shared else None
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        dtype = self.dtype or flat.dtype
+        logits = F.linear(flat.to(dtype), self.gate.weight.to(dtype))
+        if self.top_k == 1:
+            weights, chosen = logits.softmax(dim=-1).topk(1, dim=-1)
+        else:
+            top, chosen = logits.topk(self.top_k, dim=-1)
+            weights = top.softmax(dim=-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            if token.numel():
+                scaled = expert(flat[token]) * weights[token, slot, None].to(flat.dtype)
+                out.index_add_(0, token, scaled)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(flat)
+        return out.view_as(x)
 
 
 def block_size(config: AttnResConfig) -> int:
@@ -193,7 +233,7 @@ class AttnResDecoderLayer(nn.Module):
         self.post_attention_layernorm = AttnResRMSNorm(
             config.hidden_size, norm_eps(config, first + 1)
         )
-        self.mlp = AttnResMLP(config)
+        self.mlp = AttnResMoE(config) if layer_idx in config.moe_layers else AttnResMLP(config)
         if config.attnres_mode != "baseline":
             self.attn_mixer = AttnResDepthMixer(config.hidden_size, config.depth_attention_eps)
             self.mlp_mixer = AttnResDepthMixer(config.hidden_size, config.depth_attention_eps)

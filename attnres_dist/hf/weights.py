@@ -7,7 +7,9 @@ wrote them). Two weights change layout on the way:
   ``[q_1 .. q_{q/g}, k, v]`` for each of the ``g`` groups; it becomes ``q_proj`` (heads in
   group order, so query head ``i`` belongs to group ``i // (q/g)``), ``k_proj``, ``v_proj``.
 * ``linear_fc1`` ``[2f, h]`` is ``[gate; up]`` (Megatron's SwiGLU chunk; under tensor
-  parallelism it is split with stride 2, and the checkpoint gathers it back to this order).
+  parallelism it is split with stride 2, and the checkpoint gathers it back to this order),
+  also each expert's and the shared expert's of an MoE layer (``mlp.experts.{e}``,
+  ``mlp.shared_expert``; the router becomes ``mlp.gate``).
 
 Transformer Engine layer specs fuse the PreNorm gains into the linear layers
 (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``); both spellings map to
@@ -36,6 +38,11 @@ _IN_LAYER = {
     "layer.mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
     "layer.mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
+# an MoE layer's router, experts and shared expert (Megatron's MoELayer -> AttnResMoE)
+_MOE = re.compile(
+    r"^layer\.mlp\.(?:experts\.local_experts\.(\d+)|(shared_experts))\.linear_fc([12])\.weight$"
+)
+_ROUTER = ("layer.mlp.router.weight", "mlp.gate.weight")
 # the packed depth-mixer weights [mixers, (query, key gain), D]: one Hugging Face mixer a row
 _FINAL_MIXERS = ("model.final_mixer.",)
 _LAYER_MIXERS = ("attn_mixer.", "mlp_mixer.")
@@ -89,6 +96,16 @@ def hf_state_dict(
             out[prefix + "mlp.up_proj.weight"] = up.contiguous()
         elif rest == "mixer_weights":
             out.update(split_mixers(value, tuple(prefix + m for m in _LAYER_MIXERS)))
+        elif rest == _ROUTER[0]:
+            out[prefix + _ROUTER[1]] = value.contiguous()
+        elif moe := _MOE.match(rest):
+            expert = f"mlp.experts.{moe[1]}." if moe[1] is not None else "mlp.shared_expert."
+            if moe[3] == "1":
+                gate, up = torch.chunk(value, 2, dim=0)
+                out[prefix + expert + "gate_proj.weight"] = gate.contiguous()
+                out[prefix + expert + "up_proj.weight"] = up.contiguous()
+            else:
+                out[prefix + expert + "down_proj.weight"] = value.contiguous()
         elif rest in _IN_LAYER:
             out[prefix + _IN_LAYER[rest]] = value.contiguous()
         else:

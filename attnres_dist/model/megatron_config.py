@@ -35,6 +35,10 @@ def moe_fields(model: ModelConfig, ep: int = 1) -> dict:
     return {
         "num_moe_experts": moe.num_experts,
         "moe_router_topk": moe.top_k,
+        # top-1: the softmax over every expert, then the top one (Switch Transformer's
+        # routing; a softmax over one chosen logit would be 1, with no gradient): Megatron's
+        # pre-softmax; top-k > 1: the softmax over the chosen logits (Mixtral's)
+        "moe_router_pre_softmax": moe.top_k == 1,
         "moe_ffn_hidden_size": model.expert_ffn_size,
         "moe_shared_expert_intermediate_size": moe.shared_expert_ffn_hidden_size,
         "moe_router_load_balancing_type": moe.load_balancing,
