@@ -278,6 +278,10 @@ def test_byte_tokenizer_ids_match_the_project_tokenizer(gqa_export, tmp_path):
         assert ids == ours.encode(text) == list(text.encode("utf-8"))
         assert hf_tok.decode(ids) == text
     assert len(hf_tok) == 257 and hf_tok.convert_ids_to_tokens(256) == "<|endoftext|>"
+    # declared end of text and padding: generate() stops there, padded batches need no patch
+    assert hf_tok.eos_token_id == hf_tok.pad_token_id == 256
+    batch = hf_tok(["ab", "abcd"], padding=True)["input_ids"]
+    assert batch == [[97, 98, 256, 256], [97, 98, 99, 100]]
     g = torch.Generator().manual_seed(0)
     for _ in range(20):  # any id sequence, invalid UTF-8 and end-of-document ids included
         ids = torch.randint(0, 257, (40,), generator=g).tolist()

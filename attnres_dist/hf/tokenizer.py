@@ -10,6 +10,10 @@ ever emits single characters, so 256 is reachable by id alone; a ``Replace`` dec
 drops it when decoding, as ``ByteTokenizer.decode`` skips it. Invalid UTF-8 decodes to
 U+FFFD like Python's ``errors="replace"``.
 
+``tokenizer_config.json`` declares ``<|endoftext|>`` as ``eos_token`` and ``pad_token`` with
+``split_special_tokens`` on, so transformers' ``generate`` stops at it and pads with it while the
+literal string in a text still encodes to its bytes.
+
 Hugging Face: the run's ``tokenizer.json`` is copied unchanged; its end-of-document token is
 declared as ``eos_token`` and as ``pad_token`` (padded batches, transformers' pipelines).
 The project encodes with ``add_special_tokens=False``: pass the same to a tokenizer whose
@@ -76,5 +80,10 @@ def write_tokenizer(output: Path, tokenizer: dict, seq_length: int) -> int:
     else:
         byte_tokenizer().save(str(output / TOKENIZER))
         eod = 256
+        # declared as end of text and padding, so generate() stops and batches pad; a special
+        # token is matched inside text unless special tokens are split: then the literal
+        # string stays its 13 bytes, as the project's tokenizer encodes it
+        config["eos_token"] = config["pad_token"] = BYTE_EOD_TOKEN
+        config["split_special_tokens"] = True
     (output / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return eod
