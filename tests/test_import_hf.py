@@ -274,3 +274,60 @@ def test_delta_block_import_is_the_source_with_each_block_s_partial_sum_damped(t
     record(f"import_hf[delta_block4] vs transformers (oracle {bound:.2e})", direct, bound)
     assert exact <= TOL, exact
     assert abs(direct - bound) <= TOL and bound > 100 * TOL
+
+
+def make_mixtral(directory, layers=2, experts=4, top_k=2):
+    """A random ``MixtralForCausalLM`` saved by transformers, with a tokenizer; returns it."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=experts,
+        num_experts_per_tok=top_k,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        sliding_window=None,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=0,
+    )
+    torch.manual_seed(13)
+    model = MixtralForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape))
+            elif name.endswith("gate.weight"):  # routers far from uniform: distinct top-k
+                p.mul_(20)
+    model.save_pretrained(directory)
+    make_hf_tokenizer(directory / "tokenizer.json")
+    return model
+
+
+@pytest.mark.parametrize("mode", ["baseline", "block", "full"])
+def test_mixtral_imports_function_preserving(mode, tmp_path):
+    """Mixtral's router and experts become Megatron's MoELayer: the imported model's logits
+    are transformers' MixtralForCausalLM's, in every mode (zero queries, scaled epsilons)."""
+    hf = make_mixtral(tmp_path / "src")
+    out = import_hf(tmp_path / "src", tmp_path / "run", mode=mode, block_size=3)
+    ours, cfg = imported_model(out)
+    assert (cfg.model.moe.num_experts, cfg.model.moe.top_k) == (4, 2)
+    assert cfg.model.expert_ffn_size == 48
+    tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(5))
+    diff = logits_diff(ours, hf, tokens)
+    record(f"import_hf[mixtral {mode}] vs transformers", diff, TOL)
+    assert diff <= TOL, diff
+
+
+def test_mixtral_top1_is_refused_in_one_line(tmp_path):
+    from attnres_dist.errors import UserError
+
+    make_mixtral(tmp_path / "src", top_k=1)
+    with pytest.raises(UserError, match="num_experts_per_tok: got 1; the trainer's top-1"):
+        import_hf(tmp_path / "src", tmp_path / "run", mode="block")
+    assert not (tmp_path / "run").exists()

@@ -7,7 +7,8 @@ sequence length, tied head), the tokenizer file and the safetensors files that h
 (one ``model.safetensors`` or the shards a ``model.safetensors.index.json`` names).
 
 What Megatron-Core's layers as this trainer builds them cannot represent is refused with one
-line naming the field and why: another architecture (GPT-2, Qwen2's QKV biases, ...),
+line naming the field and why: another architecture (GPT-2, Qwen2's QKV biases, Qwen3's
+query and key norms, ...),
 attention or MLP biases, a sliding window, an activation other than SiLU, a head size other
 than ``hidden / heads``, RoPE scalings other than Llama 3's with Megatron's fixed frequency
 bands (``low_freq_factor`` 1, ``high_freq_factor`` 4, 8192 original positions), and a tokenizer
@@ -22,7 +23,11 @@ from pathlib import Path
 
 from attnres_dist.errors import UserError
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",  # Mistral's layers with a mixture-of-experts MLP
+}
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
 WEIGHTS = "model.safetensors"
@@ -117,7 +122,7 @@ def derive_model(cfg: dict) -> dict:
         _refuse("num_key_value_heads", f"got {groups}; must divide num_attention_heads={heads}")
     theta, scaling = _rope(cfg)
     vocab = int(cfg["vocab_size"])
-    return {
+    return _moe(cfg) | {
         "num_layers": int(cfg["num_hidden_layers"]),
         "hidden_size": hidden,
         "num_attention_heads": heads,
@@ -132,6 +137,28 @@ def derive_model(cfg: dict) -> dict:
         "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
         "hidden_dropout": 0.0,
         "attention_dropout": float(cfg.get("attention_dropout", 0.0)),
+    }
+
+
+def _moe(cfg: dict) -> dict:
+    """Mixtral's experts as ``model.moe.*`` fields (every layer MoE); none for a dense model.
+    Mixtral weights its top-k experts by the softmax over their logits (the softmax over all,
+    renormalised), which is the trainer's routing for k > 1; at k = 1 that weight is 1, where
+    Megatron's top-1 takes the chosen expert's softmax over all logits: refused."""
+    if cfg.get("model_type") != "mixtral":
+        return {}
+    top_k = int(cfg.get("num_experts_per_tok", 2))
+    if top_k < 2:
+        _refuse(
+            "num_experts_per_tok",
+            f"got {top_k}; the trainer's top-1 routing weights the expert by its softmax over "
+            "all logits, Mixtral's by 1: import a model that routes to 2 or more experts",
+        )
+    return {
+        "moe.num_experts": int(cfg["num_local_experts"]),
+        "moe.top_k": top_k,
+        "moe.expert_ffn_hidden_size": int(cfg["intermediate_size"]),
+        "moe.aux_loss_coeff": float(cfg.get("router_aux_loss_coef", 0.0)),
     }
 
 

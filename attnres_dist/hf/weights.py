@@ -124,6 +124,8 @@ _FROM_HF_LAYER = {
     if ours.startswith("layer.") and "layer_norm_weight" not in ours
 }
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_MIXTRAL_ROUTER = "block_sparse_moe.gate.weight"
+_MIXTRAL_EXPERT = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.w[123]\.weight$")
 # buffers some older checkpoints saved beside the weights: recomputed, never weights
 _HF_IGNORED = ("self_attn.rotary_emb.inv_freq",)
 
@@ -184,10 +186,23 @@ def _canonical_layer(i: int, parts: dict, heads: int, groups: int) -> dict[str, 
     out = {}
     q, k, v = (take(f"self_attn.{p}_proj.weight") for p in "qkv")
     out[prefix + "layer.self_attention.linear_qkv.weight"] = merge_qkv(q, k, v, heads, groups)
-    gate, up = take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")
-    out[prefix + "layer.mlp.linear_fc1.weight"] = torch.cat((gate, up), dim=0)
+    moe = _MIXTRAL_ROUTER in parts
+    if moe:  # Mixtral's experts: w1 the gate, w3 the up, w2 the down
+        out[prefix + _ROUTER[0]] = take(_MIXTRAL_ROUTER)
+        experts = sorted(
+            {int(m[1]) for name in parts if (m := _MIXTRAL_EXPERT.match(name)) is not None}
+        )
+        for e in experts:
+            w1, w2, w3 = (take(f"block_sparse_moe.experts.{e}.w{n}.weight") for n in (1, 2, 3))
+            ours = f"{prefix}layer.mlp.experts.local_experts.{e}."
+            out[ours + "linear_fc1.weight"] = torch.cat((w1, w3), dim=0)
+            out[ours + "linear_fc2.weight"] = w2
+    else:
+        gate, up = take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")
+        out[prefix + "layer.mlp.linear_fc1.weight"] = torch.cat((gate, up), dim=0)
     for hf_part, ours in _FROM_HF_LAYER.items():
-        out[prefix + ours] = take(hf_part)
+        if not (moe and hf_part.startswith("mlp.")):  # an MoE layer has no dense MLP
+            out[prefix + ours] = take(hf_part)
     if parts:
         raise KeyError(f"unknown weight {hf_prefix + sorted(parts)[0]!r}")
     return out
