@@ -14,7 +14,9 @@ alternating 2-rank jobs) and the compile benchmark (``compile_bench``, in this p
 graphs, graph breaks, recompiles and compile time of ``runtime.compile: layer`` per residual
 mode, its step time and aten ops per step against eager) and the host benchmark
 (``host_bench``, in this process: host time and aten ops per training step at almost no
-arithmetic, ours on DeepSpeed's bf16 engine against a plain-PyTorch GPT, eager and compiled);
+arithmetic, ours on DeepSpeed's bf16 engine against a plain-PyTorch GPT, eager and compiled)
+and the MoE benchmark (``moe_bench``, a 2-rank job at dp = ep = 2: MoE Block / MoE baseline
+step time, and the dispatcher's collectives' share of a step);
 the model and generation benchmarks open a one-process group. Each writes its own JSON into
 ``DIR``. The summary lists each ratio with what it compares, and the
 per-boundary bytes predicted by the activation contract next to the bytes measured on the wire.
@@ -34,6 +36,7 @@ from bench import (
     generation_bench,
     host_bench,
     model_bench,
+    moe_bench,
     norm_bench,
     pipeline_bench,
     precision_bench,
@@ -245,6 +248,25 @@ def precision_markdown(prec: dict) -> list[str]:
     ]
 
 
+def moe_markdown(moe: dict) -> list[str]:
+    r = moe["ratios"]
+    return [
+        "",
+        "## Mixture of experts at dp = ep = 2",
+        "",
+        f"`{moe['config']['path']}`, {moe['config']['reps']} repetitions, interleaved; the "
+        "dispatcher's collectives timed on each rank inside the step.",
+        "",
+        moe_bench.format_table(moe),
+        "",
+        "| ratio | value |",
+        "|---|---|",
+        f"| MoE Block / MoE baseline step, paired | {r['moe_block_over_moe_baseline']:.3f} |",
+        f"| dispatch collectives / step, MoE Block | {r['dispatch_share_moe_block']:.3f} |",
+        f"| dispatch collectives / step, MoE baseline | {r['dispatch_share_moe_baseline']:.3f} |",
+    ]
+
+
 def summary_markdown(
     depth: dict,
     pipe: dict,
@@ -372,6 +394,7 @@ def main(argv: list[str] | None = None) -> None:
         binding = binding_bench.run(out, reps=2, warmup=1, rounds=1)
         compiled = compile_bench.run(out, backend="aot_eager", batch=2, seq=32, steps=3)
         host = host_bench.run(out, backend="aot_eager", reps=2, steps=2, warmup=1, floor_reps=6)
+        moe = moe_bench.run(out, reps=2, warmup=1)
     else:
         depth = depth_attention_bench.run(out)
         pipe = pipeline_bench.run(out)
@@ -382,8 +405,9 @@ def main(argv: list[str] | None = None) -> None:
         binding = binding_bench.run(out)
         compiled = compile_bench.run(out)
         host = host_bench.run(out)
+        moe = moe_bench.run(out)
     text = summary_markdown(depth, pipe, gen, model, prec, norm, binding, compiled)
-    text += "\n".join(["", *host_bench.markdown(host)])
+    text += "\n".join(["", *host_bench.markdown(host), *moe_markdown(moe)])
     (out / "summary.md").write_text(text)
     print(text)
 

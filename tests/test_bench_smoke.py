@@ -303,3 +303,20 @@ def test_host_bench_smoke(tmp_path):
     eager = {n: v["host_reads"] for n, v in result["variants"].items() if "host_reads" in v}
     assert eager == {f"{m}_eager": 0 for m in (*modes, "plain")}  # ours: the device's skip
     assert "tensor value per eager step (on a GPU, waits): none in any variant." in text
+
+
+@pytest.mark.slow
+def test_moe_bench_smoke(small_dataset, tmp_path):
+    """MoE Block and MoE baseline at dp = ep = 2: both step, the dispatcher's collectives
+    are seen and take part of the step, the summary rows exist."""
+    from bench import moe_bench
+    from bench.run import moe_markdown
+
+    small = (f"data.path={small_dataset}", "model.num_layers=2", "model.hidden_size=32")
+    result = moe_bench.run(tmp_path, overrides=small, reps=1, warmup=1)
+    assert (tmp_path / "moe.json").exists()
+    for v in result["variants"].values():
+        assert v["step_s"]["median"] > 0 and v["dispatch_s_median"] > 0
+        assert 0 < v["dispatch_share"] < 1
+    text = "\n".join(moe_markdown(result))
+    assert "MoE Block / MoE baseline" in text and "| moe_block |" in text
