@@ -90,10 +90,14 @@ def _step_time(steps: dict) -> list[str]:
         return ["(the step-time step did not run)", ""]
     rows = [
         [mode, r[mode]["model"], r[mode]["step_ms"], r[mode]["vs_baseline"], r[mode]["peak_gib"]]
-        for mode in ("baseline", "block", "full")
+        for mode in ("baseline", "block", "full", "moe_baseline", "moe_block")
         if mode in r
     ]
-    out = [f"Shape: {r.get('shape')}; median of the measured steps.", ""]
+    out = [
+        f"Shape: {r.get('shape')}; median of the measured steps. The MoE rows (8 experts of "
+        "width 768, top-2, the first layer dense) are against the MoE baseline.",
+        "",
+    ]
     return out + _table(["mode", "model", "ms / step", "vs baseline", "peak GiB"], rows)
 
 

@@ -126,14 +126,33 @@ def shape_label(dry: bool) -> str:
     return "12 x 768, seq 1024, batch 8" if not dry else "dry-run shape"
 
 
+# the 125M shape with 8 experts of width 768 (top-2: 1,536 active FFN channels against the
+# dense 2,048), the first layer dense; one GPU, so no expert parallelism
+MOE_125M = [
+    "model.moe.num_experts=8",
+    "model.moe.top_k=2",
+    "model.moe.expert_ffn_hidden_size=768",
+    "model.moe.dense_layers=1",
+]
+DRY_MOE = ["model.moe.expert_ffn_hidden_size=64"]
+STEP_TIME_ROWS = {
+    "baseline": ["model.attnres.mode=baseline"],
+    "block": ["model.attnres.mode=block"],
+    "full": ["model.attnres.mode=full"],
+    "moe_baseline": ["model.attnres.mode=baseline", *MOE_125M],
+    "moe_block": ["model.attnres.mode=block", *MOE_125M],
+}
+
+
 def step_time(work: Path, dry: bool) -> dict:
-    """Median optimizer-step time of baseline, Block (S = 3) and Full AttnRes at one shape."""
+    """Median optimizer-step time of baseline, Block (S = 3) and Full AttnRes at one shape, and
+    of the MoE model (``MOE_125M``) with the baseline residual and with Block."""
     warmup, reps = (3, 8) if on_gpu(dry) else (1, 2)
     rows = {}
-    for mode in ("baseline", "block", "full"):
+    for mode, settings in STEP_TIME_ROWS.items():
         reset_peak()
-        mode_arg = f"model.attnres.mode={mode}"
-        trainer = trainer_125m(work, dry, f"step-time-{mode}", warmup + reps, mode_arg)
+        extra = [*settings, *(DRY_MOE if dry and mode.startswith("moe") else [])]
+        trainer = trainer_125m(work, dry, f"step-time-{mode}", warmup + reps, *extra)
         times = step_seconds(trainer, warmup, reps)
         rows[mode] = {
             "model": trainer.builder.plan.describe(),
@@ -142,8 +161,8 @@ def step_time(work: Path, dry: bool) -> dict:
             "peak_gib": peak_gib(),
         }
         del trainer
-    base = rows["baseline"]["step_ms"]
-    for row in rows.values():
+    for name, row in rows.items():  # the MoE rows against the MoE baseline
+        base = rows["moe_baseline" if name.startswith("moe") else "baseline"]["step_ms"]
         row["vs_baseline"] = round(row["step_ms"] / base, 3)
     return {"shape": shape_label(dry), **rows}
 

@@ -72,6 +72,7 @@ def test_dry_run_runs_every_step_and_skips_only_what_needs_cuda(dry_run):
     times = steps["step_time"]["result"]
     assert times["baseline"]["vs_baseline"] == 1.0
     assert times["block"]["step_ms"] > 0 and times["full"]["step_ms"] > 0
+    assert times["moe_baseline"]["vs_baseline"] == 1.0 and times["moe_block"]["step_ms"] > 0
     gen = steps["generate"]["result"]
     assert gen["device"] == "cpu" and gen["cli"][0]["text"].startswith("def ")
     assert gen["kv_cache"]["tokens_per_s"] > 0 and gen["recompute"]["tokens_per_s"] > 0
