@@ -13,6 +13,7 @@ uninterrupted reference does. The selected cases of one world size share one lau
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.equivalence_helpers import (
     assert_matches,
@@ -55,7 +56,7 @@ CASES = {
     ),
     "dp4-ep2-block": (4, "block", {"parallel.dp": 4, "parallel.ep": 2}),
 }
-# written at dp = ep = 2 (step 2 of 3), resumed at pp = 2, ep = 1
+# written at dp = ep = 2 (step 2 of 3), resumed at pp = 2, ep = 1, and at dp = ep = 2
 SAVE = (2, "block", EP2 | {"checkpoint.every": 2, "checkpoint.keep_last": 3})
 RESUME = (2, "block", {"parallel.pp": 2})
 
@@ -75,13 +76,19 @@ def runs(small_dataset, tmp_path_factory, request):
             small_dataset, tmp, params["case"], mode, extra
         )
         modes.add(mode)
-    if selected_params(request, "test_checkpoint_reshards_across_expert_layouts"):
-        saved = tmp / "runs" / "save" / "checkpoints" / "step-00000002"
-        cases = by_world.setdefault(2, {})
-        cases["save"] = args(small_dataset, tmp, "save", "block", SAVE[2])
-        resume = RESUME[2] | {"checkpoint.resume": str(saved)}
-        cases["resume"] = args(small_dataset, tmp, "resume", "block", resume)
-        modes.add("block")
+    saved = tmp / "runs" / "save" / "checkpoints" / "step-00000002"
+    resumes = {
+        "resume": "test_checkpoint_reshards_across_expert_layouts",
+        "resume-same": "test_resume_at_the_same_layout_is_bitwise",
+    }
+    for name, test in resumes.items():
+        if selected_params(request, test):
+            cases = by_world.setdefault(2, {})
+            cases.setdefault("save", args(small_dataset, tmp, "save", "block", SAVE[2]))
+            layout = RESUME[2] if name == "resume" else SAVE[2]
+            resume = layout | {"checkpoint.resume": str(saved)}
+            cases[name] = args(small_dataset, tmp, name, "block", resume)
+            modes.add("block")
     refs = {mode: args(small_dataset, tmp, f"ref-{mode}", mode, {}) for mode in sorted(modes)}
     results = {"reference": train_cases(tmp / "references", refs, nproc=1)}
     for world, cases in sorted(by_world.items()):
@@ -102,3 +109,13 @@ def test_checkpoint_reshards_across_expert_layouts(runs):
     assert len(resumed["losses"]) == 1  # step 3 only: it resumed from step 2
     last_step = {**reference, "losses": reference["losses"][2:]}
     assert_matches(resumed, last_step, "moe resume ep2 -> pp2")
+
+
+def test_resume_at_the_same_layout_is_bitwise(runs):
+    """Resumed at dp = ep = 2 from step 2: step 3 and every parameter equal the uninterrupted
+    run's bit for bit (experts, router and optimizer state read back by global index)."""
+    whole, resumed = result_of(runs, "save"), result_of(runs, "resume-same")
+    assert resumed["losses"] == whole["losses"][2:]
+    assert resumed["params"].keys() == whole["params"].keys()
+    for name, value in whole["params"].items():
+        assert torch.equal(resumed["params"][name], value), name

@@ -134,6 +134,7 @@ FILES: dict[str, str | tuple[str, ...]] = {
         "test_layout_matches_single_process[pp2-ep2-block-full-recompute]",
         "test_layout_matches_single_process[dualpipev-ep2-full]",
         "test_checkpoint_reshards_across_expert_layouts",
+        "test_resume_at_the_same_layout_is_bitwise",
     ),
     "test_sequence_parallel.py": (
         "test_sequence_parallel_matches_single_process[tp2-block]",
@@ -214,9 +215,10 @@ CAPABILITIES: dict[str, tuple[str, ...]] = {
     "MoE layers (Megatron-Core's MoELayer) against their float64 definition, router losses "
     "and routing statistics": ("test_moe.py",),
     "expert parallelism beside pp, dp, DualPipeV, interleaved, both recomputes; checkpoints "
-    "resharded across ep": (
+    "resharded across ep, resumed bitwise": (
         "test_moe_equivalence.py::test_layout_matches_single_process",
         "test_moe_equivalence.py::test_checkpoint_reshards_across_expert_layouts",
+        "test_moe_equivalence.py::test_resume_at_the_same_layout_is_bitwise",
     ),
     "cross-stage cache on the wire": (
         "test_virtual_equivalence.py::test_two_ranks_match_reference",
