@@ -71,6 +71,17 @@ CASES = {
         "model.moe.expert_ffn_hidden_size": 40,
         "model.moe.shared_expert_ffn_hidden_size": 24,
     },
+    # Qwen3's attention (wider heads, query and key norms) and Switch-style expert weights
+    "block3-qk-norm-head16-moe-pre-softmax": {
+        "model.attnres.block_size": 3,
+        "model.num_query_groups": 2,
+        "model.head_dim": 16,
+        "model.qk_norm": True,
+        "model.moe.num_experts": 4,
+        "model.moe.top_k": 2,
+        "model.moe.router_pre_softmax": True,
+        "model.moe.dense_layers": 1,
+    },
     "full-moe-pattern-untied": {
         "model.attnres.mode": "full",
         "model.tie_embeddings": False,
@@ -141,7 +152,10 @@ def test_logits_equal_the_single_process_model(case, tmp_path):
     assert ("lm_head.weight" in weights) == (not model_cfg.tie_embeddings)
     assert all(k.startswith("model.") or k == "lm_head.weight" for k in weights)
     groups = model_cfg.num_query_groups or 4
-    assert weights["model.layers.0.self_attn.k_proj.weight"].shape == (8 * groups, 32)
+    assert weights["model.layers.0.self_attn.k_proj.weight"].shape == (
+        model_cfg.kv_channels * groups,
+        32,
+    )
     hf = load_hf(out)
     assert type(hf).__name__ == "AttnResForCausalLM"
     tokens = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(3))

@@ -331,3 +331,57 @@ def test_mixtral_top1_is_refused_in_one_line(tmp_path):
     with pytest.raises(UserError, match="num_experts_per_tok: got 1; the trainer's top-1"):
         import_hf(tmp_path / "src", tmp_path / "run", mode="block")
     assert not (tmp_path / "run").exists()
+
+
+def make_qwen3_moe(directory, norm_topk_prob=True, layers=3):
+    """A random ``Qwen3MoeForCausalLM`` (heads of 16 channels at hidden 32, each head's query
+    and key normed, layer 0 dense, 4 experts top-2) saved by transformers, with a tokenizer."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=24,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=norm_topk_prob,
+        mlp_only_layers=[0],
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=0,
+    )
+    torch.manual_seed(17)
+    model = Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape))
+            elif name.endswith("gate.weight"):  # the router: far from uniform
+                p.copy_(torch.randn(p.shape))
+    model.save_pretrained(directory)
+    make_hf_tokenizer(directory / "tokenizer.json")
+    return model
+
+
+@pytest.mark.parametrize("mode, renormalised", [("block", True), ("full", False)])
+def test_qwen3_moe_imports_function_preserving(mode, renormalised, tmp_path):
+    """Qwen3-MoE: wider heads than hidden / heads, each head's query and key normed, a dense
+    first layer, its experts with and without ``norm_topk_prob``: the imported model's logits
+    are transformers' Qwen3MoeForCausalLM's."""
+    hf = make_qwen3_moe(tmp_path / "src", norm_topk_prob=renormalised)
+    out = import_hf(tmp_path / "src", tmp_path / "run", mode=mode, block_size=3)
+    ours, cfg = imported_model(out)
+    m = cfg.model
+    assert (m.head_dim, m.qk_norm, m.moe.pattern) == (16, True, [0, 1, 1])
+    assert m.moe.router_pre_softmax is (not renormalised)
+    tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(5))
+    diff = logits_diff(ours, hf, tokens)
+    record(f"import_hf[qwen3_moe {mode} renormalised={renormalised}] vs transformers", diff, TOL)
+    assert diff <= TOL, diff

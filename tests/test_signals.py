@@ -31,6 +31,8 @@ CASES = [  # (mode, block size, tied, query groups[, MoE])
     ("full", 1, False, None),
     # layer 0 dense, layer 1 MoE: top-2 of 4 experts of width 40 and a shared one of 24
     ("block", 2, True, None, MoEConfig(4, 2, 40, 24, dense_layers=1)),
+    # heads of 16 channels at hidden 32 (4 heads: 64 query channels), query and key norms
+    ("block", 2, True, 2, None, {"head_dim": 16, "qk_norm": True}),
 ]
 
 
@@ -42,8 +44,9 @@ def process_group():
     init_distributed(ParallelDims(), seed=0)
 
 
-def model_config(mode, block_size, tied, groups, moe=None) -> ModelConfig:
+def model_config(mode, block_size, tied, groups, moe=None, extra=None) -> ModelConfig:
     return ModelConfig(
+        **(extra or {}),
         num_layers=2,
         hidden_size=32,
         num_attention_heads=4,
@@ -55,7 +58,9 @@ def model_config(mode, block_size, tied, groups, moe=None) -> ModelConfig:
     )
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0] + ("-moe" if len(c) > 4 else ""))
+@pytest.mark.parametrize(
+    "case", CASES, ids=["baseline", "block", "full", "block-moe", "block-head16-qk-norm"]
+)
 def test_matmul_flops_equal_flop_counter(case):
     from attnres_dist.model.gpt import AttnResGPT, ModelBuilder
 

@@ -70,6 +70,12 @@ def validate_moe(cfg: Config) -> None:
         f"got {e.capacity_factor}; must be > 0, or null for dropless routing",
     )
     _require(
+        e.pre_softmax or e.top_k > 1,
+        "model.moe.router_pre_softmax",
+        "false at top_k 1 weights the expert by a softmax over its one logit, which is 1 and "
+        "has no gradient; set it to true or null",
+    )
+    _require(
         e.router_dtype in ROUTER_DTYPES,
         "model.moe.router_dtype",
         f"got {e.router_dtype!r}; allowed: {', '.join(ROUTER_DTYPES)}",

@@ -28,9 +28,15 @@ def validate(cfg: Config) -> None:
         value = getattr(m, name)
         _require(value >= 1, f"model.{name}", f"got {value}; must be >= 1")
     _require(
-        m.hidden_size % m.num_attention_heads == 0,
+        m.head_dim is not None or m.hidden_size % m.num_attention_heads == 0,
         "model.hidden_size",
-        f"got {m.hidden_size}; must be divisible by num_attention_heads={m.num_attention_heads}",
+        f"got {m.hidden_size}; must be divisible by num_attention_heads={m.num_attention_heads}"
+        " (or set model.head_dim)",
+    )
+    _require(
+        m.head_dim is None or m.head_dim >= 1,
+        "model.head_dim",
+        f"got {m.head_dim}; must be >= 1, or null for hidden_size / num_attention_heads",
     )
     groups = m.num_query_groups or m.num_attention_heads
     _require(

@@ -48,11 +48,19 @@ class MoEConfig:
     # tokens an expert takes, in units of its fair share; None = dropless
     capacity_factor: float | None = None
     router_dtype: str = "fp32"  # fp32 | fp64 | model: the dtype the router's logits use
+    # how the chosen experts are weighted: false, the softmax over their logits (Mixtral's);
+    # true, each one's softmax over all logits (Switch's; Qwen3-MoE without norm_topk_prob);
+    # null: true at top_k 1 (a softmax over one logit is 1), else false
+    router_pre_softmax: bool | None = None
     token_dispatcher: str = "alltoall"  # alltoall | allgather (Megatron's token dispatchers)
 
     @property
     def enabled(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def pre_softmax(self) -> bool:
+        return self.top_k == 1 if self.router_pre_softmax is None else self.router_pre_softmax
 
     def is_moe_layer(self, index: int) -> bool:
         """Layer ``index`` (0-based) has the MoE MLP."""
@@ -69,6 +77,8 @@ class ModelConfig:
     hidden_size: int = 128
     num_attention_heads: int = 4
     num_query_groups: int | None = None  # grouped-query attention; None = one per head
+    head_dim: int | None = None  # channels per attention head; None = hidden_size / heads
+    qk_norm: bool = False  # RMSNorm of each head's query and key before RoPE (Qwen3's)
     ffn_hidden_size: int | None = None  # None = 4 * hidden, rounded for SwiGLU (8/3 h, to 64)
     seq_length: int = 128
     vocab_size: int | None = None  # None = the tokenizer's
@@ -93,6 +103,11 @@ class ModelConfig:
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
         return 64 * ((8 * self.hidden_size // 3 + 63) // 64)
+
+    @property
+    def kv_channels(self) -> int:
+        """Channels per attention head."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
     def expert_ffn_size(self) -> int:

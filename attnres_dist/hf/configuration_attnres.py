@@ -40,6 +40,8 @@ class AttnResConfig(PretrainedConfig):
         shared_expert_intermediate_size=None,
         moe_layers=None,
         router_dtype="fp32",
+        router_pre_softmax=False,
+        qk_norm=False,
         tie_word_embeddings=True,
         use_cache=True,
         bos_token_id=None,
@@ -77,6 +79,8 @@ class AttnResConfig(PretrainedConfig):
         self.shared_expert_intermediate_size = shared_expert_intermediate_size
         self.moe_layers = list(moe_layers or [])
         self.router_dtype = router_dtype
+        self.router_pre_softmax = router_pre_softmax  # each chosen expert's softmax over all
+        self.qk_norm = qk_norm  # each head's query and key RMSNorm before RoPE (Qwen3's)
         self.use_cache = use_cache
         self.tie_word_embeddings = tie_word_embeddings
         super().__init__(

@@ -7,12 +7,12 @@ sequence length, tied head), the tokenizer file and the safetensors files that h
 (one ``model.safetensors`` or the shards a ``model.safetensors.index.json`` names).
 
 What Megatron-Core's layers as this trainer builds them cannot represent is refused with one
-line naming the field and why: another architecture (GPT-2, Qwen2's QKV biases, Qwen3's
-query and key norms, ...),
-attention or MLP biases, a sliding window, an activation other than SiLU, a head size other
-than ``hidden / heads``, RoPE scalings other than Llama 3's with Megatron's fixed frequency
-bands (``low_freq_factor`` 1, ``high_freq_factor`` 4, 8192 original positions), and a tokenizer
-with more tokens than the embedding has rows.
+line naming the field and why: another architecture (GPT-2, Qwen2's QKV biases, ...),
+attention or MLP biases, a sliding window, an activation other than SiLU, RoPE scalings other
+than Llama 3's with Megatron's fixed frequency bands (``low_freq_factor`` 1,
+``high_freq_factor`` 4, 8192 original positions), and a tokenizer with more tokens than the
+embedding has rows. Read beside Llama and Mistral: Qwen3 (heads of any width, each head's
+query and key normed), and the experts of Mixtral and Qwen3-MoE (``_moe``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,10 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "mixtral": "MixtralForCausalLM",  # Mistral's layers with a mixture-of-experts MLP
+    "qwen3": "Qwen3ForCausalLM",  # Llama's layers with each head's query and key normed
+    "qwen3_moe": "Qwen3MoeForCausalLM",  # Qwen3's with mixture-of-experts MLPs
 }
+QK_NORMED = ("qwen3", "qwen3_moe")
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
 WEIGHTS = "model.safetensors"
@@ -108,7 +111,7 @@ def derive_model(cfg: dict) -> dict:
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key):
             _refuse(key, "biases are not supported: the trainer's layers have no bias")
-    if cfg.get("sliding_window") is not None:
+    if cfg.get("sliding_window") is not None and cfg.get("use_sliding_window", True):
         _refuse("sliding_window", "sliding-window attention is not supported; only full causal")
     if cfg.get("hidden_act", "silu") != "silu":
         _refuse("hidden_act", f"got {cfg['hidden_act']!r}; the trainer's MLP is SwiGLU (silu)")
@@ -116,8 +119,10 @@ def derive_model(cfg: dict) -> dict:
         _refuse("pretraining_tp", "must be 1 (sliced projections are not supported)")
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     groups = int(cfg.get("num_key_value_heads") or heads)
-    if hidden % heads or (cfg.get("head_dim") not in (None, hidden // heads)):
-        _refuse("head_dim", f"got {cfg.get('head_dim')}; the trainer needs hidden / heads")
+    head_dim = cfg.get("head_dim")
+    if head_dim is None and hidden % heads:
+        _refuse("head_dim", f"missing, and num_attention_heads={heads} does not divide {hidden}")
+    head_dim = None if head_dim in (None, hidden // heads) else int(head_dim)
     if heads % groups:
         _refuse("num_key_value_heads", f"got {groups}; must divide num_attention_heads={heads}")
     theta, scaling = _rope(cfg)
@@ -127,6 +132,8 @@ def derive_model(cfg: dict) -> dict:
         "hidden_size": hidden,
         "num_attention_heads": heads,
         "num_query_groups": groups,
+        "head_dim": head_dim,
+        "qk_norm": kind in QK_NORMED,
         "ffn_hidden_size": int(cfg["intermediate_size"]),
         "seq_length": min(int(cfg.get("max_position_embeddings", MAX_SEQ)), MAX_SEQ),
         "vocab_size": vocab,
@@ -141,24 +148,41 @@ def derive_model(cfg: dict) -> dict:
 
 
 def _moe(cfg: dict) -> dict:
-    """Mixtral's experts as ``model.moe.*`` fields (every layer MoE); none for a dense model.
-    Mixtral weights its top-k experts by the softmax over their logits (the softmax over all,
-    renormalised), which is the trainer's routing for k > 1; at k = 1 that weight is 1, where
-    Megatron's top-1 takes the chosen expert's softmax over all logits: refused."""
-    if cfg.get("model_type") != "mixtral":
+    """The experts as ``model.moe.*`` fields; none for a dense model.
+
+    Mixtral: every layer MoE, the top-k experts weighted by the softmax over their logits (the
+    softmax over all, renormalised), the trainer's routing for k > 1; at k = 1 that weight is
+    1, where Megatron's top-1 takes the expert's softmax over all logits: refused. Qwen3-MoE:
+    the layers ``decoder_sparse_step`` picks, less ``mlp_only_layers``, as a pattern; with
+    ``norm_topk_prob`` the Mixtral weighting, without it each expert's softmax over all
+    logits (``router_pre_softmax``)."""
+    kind = cfg.get("model_type")
+    if kind not in ("mixtral", "qwen3_moe"):
         return {}
     top_k = int(cfg.get("num_experts_per_tok", 2))
-    if top_k < 2:
+    renormalised = kind == "mixtral" or bool(cfg.get("norm_topk_prob", False))
+    if top_k < 2 and renormalised:
         _refuse(
             "num_experts_per_tok",
             f"got {top_k}; the trainer's top-1 routing weights the expert by its softmax over "
-            "all logits, Mixtral's by 1: import a model that routes to 2 or more experts",
+            "all logits, this model's by 1: import a model that routes to 2 or more experts",
         )
-    return {
-        "moe.num_experts": int(cfg["num_local_experts"]),
+    fields = {
         "moe.top_k": top_k,
-        "moe.expert_ffn_hidden_size": int(cfg["intermediate_size"]),
         "moe.aux_loss_coeff": float(cfg.get("router_aux_loss_coef", 0.0)),
+        "moe.router_pre_softmax": not renormalised,
+    }
+    if kind == "mixtral":
+        experts, width = int(cfg["num_local_experts"]), int(cfg["intermediate_size"])
+        return fields | {"moe.num_experts": experts, "moe.expert_ffn_hidden_size": width}
+    layers, step = int(cfg["num_hidden_layers"]), int(cfg.get("decoder_sparse_step", 1))
+    dense = set(cfg.get("mlp_only_layers") or [])
+    pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
+    return fields | {
+        # transformers names it num_local_experts, as Mixtral's; earlier configs num_experts
+        "moe.num_experts": int(cfg.get("num_local_experts") or cfg["num_experts"]),
+        "moe.expert_ffn_hidden_size": int(cfg["moe_intermediate_size"]),
+        "moe.pattern": "[" + ",".join(map(str, pattern)) + "]",
     }
 
 

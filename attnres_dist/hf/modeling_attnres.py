@@ -10,7 +10,8 @@ It computes what the trainer's single-process model computes (arXiv 2603.15031):
   with grouped query heads (head ``h`` reads key/value group ``h // (heads / groups)``: the
   exporter de-interleaves Megatron's per-group ``[q..., k, v]`` fused weight into ``q_proj``,
   ``k_proj``, ``v_proj``); rotary embedding on every channel, non-interleaved halves
-  (``rotate_half``, Megatron's default), ``inv_freq = 1 / theta^(2i/d)``; SwiGLU
+  (``rotate_half``, Megatron's default), after each head's query and key RMSNorm where
+  ``qk_norm`` (Qwen3's; Megatron's ``qk_layernorm``), ``inv_freq = 1 / theta^(2i/d)``; SwiGLU
   ``down(silu(gate(x)) * up(x))`` (Megatron's ``linear_fc1`` rows are ``[gate; up]``); no
   biases. Mixture-of-experts layers (``moe_layers``): Megatron-Core's ``MoELayer`` as
   ``AttnResMoE`` (top-k routing, softmax over the chosen logits, SwiGLU experts, a shared
@@ -118,11 +119,18 @@ class AttnResAttention(nn.Module):
         self.k_proj = nn.Linear(h, kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(h, kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(q, h, bias=False)
+        if config.qk_norm:  # each head's query and key normed before RoPE (Qwen3's)
+            self.q_norm = AttnResRMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = AttnResRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
 
     def forward(self, x, cos, sin, mask, cache: Cache | None):
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q = q * cos + _rotate_half(q) * sin
@@ -154,12 +162,13 @@ ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "model": None}
 class AttnResMoE(nn.Module):
     """A mixture-of-experts MLP: each token goes to its top-k experts by the router's logits,
     weighted by the softmax over the chosen logits (Mixtral's routing, Megatron-Core's
-    default; top-1: the chosen expert's softmax over all logits, Switch Transformer's), plus
-    the shared expert if there is one. Dropless."""
+    default) or, with ``router_pre_softmax`` and always at top-1, by each one's softmax over
+    all logits (Switch Transformer's), plus the shared expert if there is one. Dropless."""
 
     def __init__(self, config: AttnResConfig):
         super().__init__()
         self.top_k, self.dtype = config.num_experts_per_tok, ROUTER_DTYPES[config.router_dtype]
+        self.pre_softmax = config.router_pre_softmax or self.top_k == 1
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         width = config.moe_intermediate_size
         self.experts = nn.ModuleList(AttnResMLP(config, width) for _ in range(config.num_experts))
@@ -170,8 +179,8 @@ class AttnResMoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         dtype = self.dtype or flat.dtype
         logits = F.linear(flat.to(dtype), self.gate.weight.to(dtype))
-        if self.top_k == 1:
-            weights, chosen = logits.softmax(dim=-1).topk(1, dim=-1)
+        if self.pre_softmax:  # each chosen expert's softmax over all logits
+            weights, chosen = logits.softmax(dim=-1).topk(self.top_k, dim=-1)
         else:
             top, chosen = logits.topk(self.top_k, dim=-1)
             weights = top.softmax(dim=-1)

@@ -43,6 +43,11 @@ _MOE = re.compile(
     r"^layer\.mlp\.(?:experts\.local_experts\.(\d+)|(shared_experts))\.linear_fc([12])\.weight$"
 )
 _ROUTER = ("layer.mlp.router.weight", "mlp.gate.weight")
+# each head's query and key norm (qk_norm): Megatron's q_layernorm / k_layernorm
+_QK_NORMS = {
+    "layer.self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "layer.self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+}
 # the packed depth-mixer weights [mixers, (query, key gain), D]: one Hugging Face mixer a row
 _FINAL_MIXERS = ("model.final_mixer.",)
 _LAYER_MIXERS = ("attn_mixer.", "mlp_mixer.")
@@ -98,6 +103,8 @@ def hf_state_dict(
             out.update(split_mixers(value, tuple(prefix + m for m in _LAYER_MIXERS)))
         elif rest == _ROUTER[0]:
             out[prefix + _ROUTER[1]] = value.contiguous()
+        elif rest in _QK_NORMS:
+            out[prefix + _QK_NORMS[rest]] = value.contiguous()
         elif moe := _MOE.match(rest):
             expert = f"mlp.experts.{moe[1]}." if moe[1] is not None else "mlp.shared_expert."
             if moe[3] == "1":
@@ -126,6 +133,7 @@ _FROM_HF_LAYER = {
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _MIXTRAL_ROUTER = "block_sparse_moe.gate.weight"
 _MIXTRAL_EXPERT = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.w[123]\.weight$")
+_QWEN_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(?:gate|up|down)_proj\.weight$")
 # buffers some older checkpoints saved beside the weights: recomputed, never weights
 _HF_IGNORED = ("self_attn.rotary_emb.inv_freq",)
 
@@ -186,17 +194,27 @@ def _canonical_layer(i: int, parts: dict, heads: int, groups: int) -> dict[str, 
     out = {}
     q, k, v = (take(f"self_attn.{p}_proj.weight") for p in "qkv")
     out[prefix + "layer.self_attention.linear_qkv.weight"] = merge_qkv(q, k, v, heads, groups)
-    moe = _MIXTRAL_ROUTER in parts
-    if moe:  # Mixtral's experts: w1 the gate, w3 the up, w2 the down
-        out[prefix + _ROUTER[0]] = take(_MIXTRAL_ROUTER)
-        experts = sorted(
-            {int(m[1]) for name in parts if (m := _MIXTRAL_EXPERT.match(name)) is not None}
-        )
-        for e in experts:
-            w1, w2, w3 = (take(f"block_sparse_moe.experts.{e}.w{n}.weight") for n in (1, 2, 3))
+    for ours, hf_part in _QK_NORMS.items():  # Qwen3's query and key norms, where present
+        if hf_part in parts:
+            out[prefix + ours] = take(hf_part)
+    # (router, per expert: (HF gate, up, down) names) of an MoE layer, or None: dense
+    moe = None
+    if _MIXTRAL_ROUTER in parts:  # Mixtral: w1 the gate, w3 the up, w2 the down
+        found = {int(m[1]) for name in parts if (m := _MIXTRAL_EXPERT.match(name))}
+        moe = _MIXTRAL_ROUTER, {e: f"block_sparse_moe.experts.{e}.w{{}}.weight" for e in found}
+        names = ("1", "3", "2")
+    elif _ROUTER[1] in parts:  # Qwen3-MoE: mlp.gate and mlp.experts.{e}.*_proj
+        found = {int(m[1]) for name in parts if (m := _QWEN_EXPERT.match(name))}
+        moe = _ROUTER[1], {e: f"mlp.experts.{e}.{{}}_proj.weight" for e in found}
+        names = ("gate", "up", "down")
+    if moe is not None:
+        router, experts = moe
+        out[prefix + _ROUTER[0]] = take(router)
+        for e, pattern in sorted(experts.items()):
+            gate, up, down = (take(pattern.format(n)) for n in names)
             ours = f"{prefix}layer.mlp.experts.local_experts.{e}."
-            out[ours + "linear_fc1.weight"] = torch.cat((w1, w3), dim=0)
-            out[ours + "linear_fc2.weight"] = w2
+            out[ours + "linear_fc1.weight"] = torch.cat((gate, up), dim=0)
+            out[ours + "linear_fc2.weight"] = down
     else:
         gate, up = take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")
         out[prefix + "layer.mlp.linear_fc1.weight"] = torch.cat((gate, up), dim=0)

@@ -104,9 +104,10 @@ class ModelBuilder:
 
         moe = self.model.moe
         if moe.is_moe_layer(index):
-            spec = layer_specs.patched(moe_layer_spec(moe.num_experts), self.runtime)
+            spec = moe_layer_spec(moe.num_experts, self.model.qk_norm)
+            spec = layer_specs.patched(spec, self.runtime)
         else:
-            spec = layer_specs.layer_spec(self.runtime)
+            spec = layer_specs.layer_spec(self.runtime, self.model.qk_norm)
         with seeded(self.seed, f"layer.{index}"):
             megatron_layer = build_module(spec, config=self.config, layer_number=index + 1)
             if moe.is_moe_layer(index):  # each expert by its global index, in its own fork

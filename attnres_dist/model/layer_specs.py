@@ -30,13 +30,15 @@ from attnres_dist.ops.cpu_rms_norm import CpuRMSNorm  # Megatron's norm signatur
 from attnres_dist.runtime.choice import RuntimeChoice
 
 
-def layer_spec(choice: RuntimeChoice):
-    """The dense layer's spec."""
+def layer_spec(choice: RuntimeChoice, qk_norm: bool = False):
+    """The dense layer's spec; ``qk_norm``: each head's query and key normed (Qwen3's)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if choice.layer_spec.value == "te":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
+        normalization="RMSNorm", qk_layernorm=qk_norm
+    )
     spec.submodules.mlp.submodules.linear_fc2 = TraceableRowParallelLinear
     return patched(spec, choice)
 
@@ -44,6 +46,8 @@ def layer_spec(choice: RuntimeChoice):
 def patched(spec, choice: RuntimeChoice):
     """A local spec (dense, or with the MoE MLP: ``model/moe.py``) with the attention and the
     norms the runtime chose."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
     spec.submodules.self_attention.submodules.linear_proj = TraceableRowParallelLinear
     if choice.core_attention.value == "sdpa":
         spec.submodules.self_attention.module = SdpaSelfAttention
@@ -52,6 +56,10 @@ def patched(spec, choice: RuntimeChoice):
     if norm is not None:
         spec.submodules.input_layernorm = norm
         spec.submodules.pre_mlp_layernorm = norm
+        attention = spec.submodules.self_attention.submodules
+        for name in ("q_layernorm", "k_layernorm"):  # where the spec norms them (qk_norm)
+            if getattr(attention, name) is not IdentityOp:
+                setattr(attention, name, norm)
     return spec
 
 

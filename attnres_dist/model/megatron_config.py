@@ -35,10 +35,9 @@ def moe_fields(model: ModelConfig, ep: int = 1) -> dict:
     return {
         "num_moe_experts": moe.num_experts,
         "moe_router_topk": moe.top_k,
-        # top-1: the softmax over every expert, then the top one (Switch Transformer's
-        # routing; a softmax over one chosen logit would be 1, with no gradient): Megatron's
-        # pre-softmax; top-k > 1: the softmax over the chosen logits (Mixtral's)
-        "moe_router_pre_softmax": moe.top_k == 1,
+        # the chosen experts' weights: each one's softmax over all logits (Megatron's
+        # pre-softmax; Switch's top-1), or the softmax over the chosen logits (Mixtral's)
+        "moe_router_pre_softmax": moe.pre_softmax,
         "moe_ffn_hidden_size": model.expert_ffn_size,
         "moe_shared_expert_intermediate_size": moe.shared_expert_ffn_hidden_size,
         "moe_router_load_balancing_type": moe.load_balancing,
@@ -71,6 +70,8 @@ def transformer_config(
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        qk_layernorm=model.qk_norm,
         ffn_hidden_size=model.ffn_size,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=1,

@@ -25,12 +25,15 @@ from attnres_dist.config import ModelConfig
 from attnres_dist.parallel.tp_shards import is_sharded, shard_of
 
 
-def moe_layer_spec(num_experts: int):
+def moe_layer_spec(num_experts: int, qk_norm: bool = False):
     """Megatron-Core's local layer spec with the MoE MLP (SequentialMLP experts)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     return gpt_layer_specs.get_gpt_layer_local_spec(
-        num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm"
+        num_experts=num_experts,
+        moe_grouped_gemm=False,
+        normalization="RMSNorm",
+        qk_layernorm=qk_norm,
     )
 
 

@@ -6,8 +6,9 @@ convention: model FLOPs, so activation recompute is not counted, nor are element
 and softmax. Per token, with L layers, hidden h, heads n of size d = h / n, query groups g,
 SwiGLU width f, sequence length s and (padded) vocabulary V:
 
-* attention projections: ``2 h (h + 2 g d)`` (QKV) + ``2 h^2`` (output)
-* attention itself: ``4 s h`` (scores and the weighted sum over all ``s`` keys; the local
+* attention projections: ``2 h (n d + 2 g d)`` (QKV) + ``2 n d h`` (output), ``d`` the head
+  size (``n d = h`` unless ``model.head_dim`` says otherwise)
+* attention itself: ``4 s n d`` (scores and the weighted sum over all ``s`` keys; the local
   attention computes the full ``s x s`` product and masks it)
 * SwiGLU MLP: ``6 h f`` (gate and up ``h -> 2f``, down ``f -> h``); an MoE layer's MLP counts
   the activated experts: ``6 h (k f_e + f_s)`` for top-k experts of width ``f_e`` and a shared
@@ -60,8 +61,8 @@ def training_flops_per_token(model, vocab_size: int) -> FlopsPerToken:
     h, s, f = model.hidden_size, model.seq_length, model.ffn_size
     n = model.num_attention_heads
     g = model.num_query_groups or n
-    d = h // n
-    attention = 2 * h * (h + 2 * g * d) + 2 * h * h + 4 * s * h
+    d = model.kv_channels
+    attention = 2 * h * (n * d + 2 * g * d) + 2 * n * d * h + 4 * s * n * d
     moe = model.moe
     moe_mlp = 6 * h * (moe.top_k * model.expert_ffn_size + (moe.shared_expert_ffn_hidden_size or 0))
     moe_mlp += 2 * h * moe.num_experts
