@@ -32,15 +32,24 @@ def lr_factor(step: int, optim: OptimConfig, total_steps: int) -> float:
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
+    """Decayed and undecayed parameters; experts split over expert-parallel ranks (tagged with
+    their group's ``group_name``, ``pipeline/expert_groups.py``) in groups of their own, marked
+    as DeepSpeed's optimizer wrappers read MoE groups (``moe``, ``name``)."""
+    groups: dict[tuple, list] = {}
     for _, param in sorted(model.named_parameters(), key=lambda item: item[0]):
         if param.requires_grad:
             exempt = param.ndim < 2 or getattr(param, "no_weight_decay", False)
-            (no_decay if exempt else decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
+            groups.setdefault((exempt, getattr(param, "group_name", None)), []).append(param)
+    out = []
+    for exempt, expert_group in sorted(groups, key=lambda k: (k[0], k[1] or "")):
+        group = {
+            "params": groups[exempt, expert_group],
+            "weight_decay": 0.0 if exempt else weight_decay,
+        }
+        if expert_group is not None:
+            group |= {"moe": True, "name": expert_group}
+        out.append(group)
+    return out or [{"params": [], "weight_decay": weight_decay}]
 
 
 def fused_adamw_supported(model: torch.nn.Module) -> bool:

@@ -5,9 +5,11 @@ with MoE layers (4 experts, top-2, a shared expert, the first layer dense, load-
 and z-losses on) trained under torchrun: expert parallelism alone (dp = ep = 2), beside
 pipeline stages (pp = 2 x dp = 2 x ep = 2) and with experts replicated (dp = 4, ep = 2); the
 DualPipeV and interleaved schedules with ep = 2; both recompute modes; both token dispatchers.
-Each must match the single-process run of its residual mode within TOL. A checkpoint written
-at ep = 2 resumes at ep = 1 on two stages (experts stored by global index) and ends where the
-uninterrupted reference does. The selected cases of one world size share one launch.
+Each must match the single-process run of its residual mode within TOL; so must ZeRO-1 with
+ep = 2, and DeepSpeed's bf16 engine with ep = 2 tracks it (the experts as MoE param groups).
+A checkpoint written at ep = 2 under ZeRO-1 resumes at ep = 1 on two stages (experts stored by
+global index) and ends where the uninterrupted reference does, and at its own layout bit for
+bit. The selected cases of one world size share one launch.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from tests.equivalence_helpers import (
     assert_matches,
+    assert_tracks_fp32,
     overrides,
     result_of,
     selected_params,
@@ -56,8 +59,23 @@ CASES = {
     ),
     "dp4-ep2-block": (4, "block", {"parallel.dp": 4, "parallel.ep": 2}),
 }
-# written at dp = ep = 2 (step 2 of 3), resumed at pp = 2, ep = 1, and at dp = ep = 2
-SAVE = (2, "block", EP2 | {"checkpoint.every": 2, "checkpoint.keep_last": 3})
+# DeepSpeed's optimizer wrappers with split experts: fp32 ZeRO-1 must match; bf16 tracks fp32
+WRAPPED = {
+    "zero1-ep2-block": (2, "block", EP2 | {"parallel.zero_stage": 1}, assert_matches),
+    "bf16-zero1-dualpipev-ep2-full": (
+        4,
+        "full",
+        EP2 | {"parallel.pp": 2, "parallel.schedule": "dualpipev", "runtime.dtype": "bf16"},
+        lambda result, reference, label: assert_tracks_fp32(result, reference),
+    ),
+}
+# written at dp = ep = 2 under ZeRO-1 (step 2 of 3: experts' master weights and AdamW state
+# read from their partitions), resumed at pp = 2, ep = 1, ZeRO-0, and as it was written
+SAVE = (
+    2,
+    "block",
+    EP2 | {"parallel.zero_stage": 1, "checkpoint.every": 2, "checkpoint.keep_last": 3},
+)
 RESUME = (2, "block", {"parallel.pp": 2})
 
 
@@ -70,11 +88,15 @@ def runs(small_dataset, tmp_path_factory, request):
     tmp = tmp_path_factory.mktemp("moe")
     by_world: dict[int, dict] = {}
     modes = set()
-    for params in selected_params(request, "test_layout_matches_single_process"):
-        world, mode, extra = CASES[params["case"]]
-        by_world.setdefault(world, {})[params["case"]] = args(
-            small_dataset, tmp, params["case"], mode, extra
-        )
+    selected = [
+        (p["case"], CASES[p["case"]])
+        for p in selected_params(request, "test_layout_matches_single_process")
+    ] + [
+        (p["case"], WRAPPED[p["case"]][:3])
+        for p in selected_params(request, "test_optimizer_wrappers_with_split_experts")
+    ]
+    for name, (world, mode, extra) in selected:
+        by_world.setdefault(world, {})[name] = args(small_dataset, tmp, name, mode, extra)
         modes.add(mode)
     saved = tmp / "runs" / "save" / "checkpoints" / "step-00000002"
     resumes = {
@@ -119,3 +141,11 @@ def test_resume_at_the_same_layout_is_bitwise(runs):
     assert resumed["params"].keys() == whole["params"].keys()
     for name, value in whole["params"].items():
         assert torch.equal(resumed["params"][name], value), name
+
+
+@pytest.mark.parametrize("case", list(WRAPPED))
+def test_optimizer_wrappers_with_split_experts(case, runs):
+    """ZeRO-1 and DeepSpeed's bf16 engine take the experts as MoE param groups over their
+    expert data-parallel group (``pipeline/expert_groups.py``)."""
+    _, mode, _, check = WRAPPED[case]
+    check(result_of(runs, case), result_of(runs["reference"], mode), f"moe {case}")

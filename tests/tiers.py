@@ -135,6 +135,7 @@ FILES: dict[str, str | tuple[str, ...]] = {
         "test_layout_matches_single_process[dualpipev-ep2-full]",
         "test_checkpoint_reshards_across_expert_layouts",
         "test_resume_at_the_same_layout_is_bitwise",
+        "test_optimizer_wrappers_with_split_experts[zero1-ep2-block]",
     ),
     "test_sequence_parallel.py": (
         "test_sequence_parallel_matches_single_process[tp2-block]",
@@ -214,11 +215,12 @@ CAPABILITIES: dict[str, tuple[str, ...]] = {
     ),
     "MoE layers (Megatron-Core's MoELayer) against their float64 definition, router losses "
     "and routing statistics": ("test_moe.py",),
-    "expert parallelism beside pp, dp, DualPipeV, interleaved, both recomputes; checkpoints "
-    "resharded across ep, resumed bitwise": (
+    "expert parallelism beside pp, dp, DualPipeV, interleaved, both recomputes, ZeRO-1; "
+    "checkpoints resharded across ep, resumed bitwise": (
         "test_moe_equivalence.py::test_layout_matches_single_process",
         "test_moe_equivalence.py::test_checkpoint_reshards_across_expert_layouts",
         "test_moe_equivalence.py::test_resume_at_the_same_layout_is_bitwise",
+        "test_moe_equivalence.py::test_optimizer_wrappers_with_split_experts",
     ),
     "cross-stage cache on the wire": (
         "test_virtual_equivalence.py::test_two_ranks_match_reference",

@@ -156,8 +156,9 @@ def _stage_tensors(engine, group, experts_only: bool = False) -> dict[str, torch
 
     Collective over the tensor-parallel group: every tensor rank runs the same loop. Under
     DeepSpeed's bf16 engine or ZeRO-1 (``engine.sharded_state``) the fp32 master weights and
-    AdamW state are read from its flat partitions, collectively over the data-parallel group
-    (split experts do not run with them: ``config/moe_rules.py``).
+    AdamW state are read from its flat partitions, collectively over each parameter's
+    data-parallel group (a split expert's: its expert data-parallel group), so then every
+    parameter is read and only the kept ones returned.
     """
     tensors = {}
     optimizer = engine.optimizer
@@ -167,12 +168,17 @@ def _stage_tensors(engine, group, experts_only: bool = False) -> dict[str, torch
         id(p): g["step"] for g in optimizer.param_groups if "step" in g for p in g["params"]
     }
     for name, param, owned in engine.checkpoint_params():
-        if not owned or (experts_only and not is_expert_param(param)):
+        if not owned:
             continue
-        if sharded is not None:
+        dropped = experts_only and not is_expert_param(param)  # data-parallel rank 0 writes it
+        if sharded is not None:  # collective: read on every replica, kept or not
             value, state = sharded.master(param), sharded.state(param)
+        elif dropped:
+            continue
         else:
             value, state = param, dict(optimizer.state.get(param, {}))
+        if dropped:
+            continue
         tensors[f"model/{name}"] = gather_full(value, param, group)
         if "step" not in state and id(param) in group_step:
             state["step"] = group_step[id(param)]
@@ -336,12 +342,23 @@ def load_checkpoint(ckpt: Checkpoint, engine, dims: ParallelDims, rank: int) -> 
                 group["step"] = int(steps[0].item())
     scheduler = engine.scheduler
     if "scheduler" in ckpt.manifest:  # an imported model's step-0 checkpoint has none yet
-        scheduler.load_state_dict(ckpt.manifest["scheduler"])
+        scheduler.load_state_dict(_per_group(ckpt.manifest["scheduler"], len(scheduler.base_lrs)))
         for group, lr in zip(engine.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
             group["lr"] = lr
     note = _restore_rng(ckpt, dims, rank)
     engine.restored(ckpt.step)
     return note
+
+
+def _per_group(schedule: dict, groups: int) -> dict:
+    """The LR schedule's state for ``groups`` parameter groups. Every group follows the one
+    schedule (``optim.build_optimizer``), so a checkpoint written with another number of groups
+    (split experts have groups of their own) gives each group its first group's entries."""
+    out = dict(schedule)
+    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+        if isinstance(out.get(key), list) and len(out[key]) != groups:
+            out[key] = [out[key][0]] * groups
+    return out
 
 
 def _restore_rng(ckpt: Checkpoint, dims: ParallelDims, rank: int) -> str:

@@ -1,8 +1,8 @@
 """Cross-field rules of the mixture-of-experts section and expert parallelism.
 
 ``validate_moe(cfg)`` checks ``model.moe`` and ``parallel.ep`` against the model and the
-layout; ``validate_moe_runtime(cfg, runtime)`` what the resolved runtime (dtype, ZeRO) cannot
-serve with experts split over ranks. Each failure is one ``ConfigError`` line naming the field,
+layout; ``validate_moe_runtime(cfg, runtime)`` what the resolved device cannot serve with
+experts split over ranks. Each failure is one ``ConfigError`` line naming the field,
 the value and the fix, raised before any process group starts.
 """
 
@@ -119,7 +119,7 @@ def validate_moe(cfg: Config) -> None:
 
 
 def validate_moe_runtime(cfg: Config, runtime) -> None:
-    """What expert parallelism does not run with yet, once ``auto`` is resolved."""
+    """What expert parallelism cannot run on the resolved device."""
     p = cfg.parallel
     if p.ep == 1:
         return
@@ -130,11 +130,4 @@ def validate_moe_runtime(cfg: Config, runtime) -> None:
         f"got 'alltoall' with parallel.tp={p.tp} and ep={p.ep} on the CPU: it gathers uneven "
         "token counts over the tensor group, which gloo's all_gather does not run; set "
         "model.moe.token_dispatcher=allgather",
-    )
-    _require(
-        not runtime.bf16 and p.zero_stage == 0,
-        "parallel.ep",
-        f"got {p.ep} with runtime.dtype={runtime.dtype.value}, parallel.zero_stage="
-        f"{p.zero_stage}; experts split over ranks train in fp32 with ZeRO-0 so far: set "
-        "runtime.dtype=fp32 and parallel.zero_stage=0, or parallel.ep=1",
     )

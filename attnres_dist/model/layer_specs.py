@@ -36,9 +36,7 @@ def layer_spec(choice: RuntimeChoice, qk_norm: bool = False):
 
     if choice.layer_spec.value == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(
-        normalization="RMSNorm", qk_layernorm=qk_norm
-    )
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
     spec.submodules.mlp.submodules.linear_fc2 = TraceableRowParallelLinear
     return patched(spec, choice)
 

@@ -159,20 +159,19 @@ class PipelineEngine:
             # bf16 engine / ZeRO-1 (DeepSpeed clips), or fp32 ZeRO-0 (ClippedAdamW clips)
             **precision.ds_config_section(cfg, self.runtime),
         }
-        if self.virtual:
-            self.engine = virtual_engine.initialize(
-                self.module, self.optimizer, self._scheduler, ds_config
-            )
-            self.engine.set_payload_shapes(shapes, virtual_setup.payload_dtype(self.runtime))
-        else:
-            self.engine, _, _, _ = deepspeed.initialize(
-                model=self.module,
-                optimizer=self.optimizer,
-                lr_scheduler=self._scheduler,
-                config=ds_config,
-            )
-        if split_experts:
-            expert_groups.enable(self.engine)
+        with expert_groups.moe_engine(split_experts):
+            if self.virtual:
+                self.engine = virtual_engine.initialize(
+                    self.module, self.optimizer, self._scheduler, ds_config
+                )
+                self.engine.set_payload_shapes(shapes, virtual_setup.payload_dtype(self.runtime))
+            else:
+                self.engine, _, _, _ = deepspeed.initialize(
+                    model=self.module,
+                    optimizer=self.optimizer,
+                    lr_scheduler=self._scheduler,
+                    config=ds_config,
+                )
         if torch.device(self.engine.device) != comm_device():
             raise RuntimeError(
                 f"DeepSpeed's engine runs on {self.engine.device} but the run's collectives use "

@@ -7,15 +7,18 @@ experts are split (ep > 1), which DeepSpeed reads as "a MoE parameter" (``is_moe
 MoE path then wants to know, per parameter, the name of the expert data-parallel group that
 holds the parameter's replicas (``param.group_name``) and finds that group in
 ``deepspeed.utils.groups``. Its own ``MoE`` modules register them; Megatron's layers do not,
-so ``register`` does, before ``deepspeed.initialize``: the engine then broadcasts each expert
-from its own replica group at start, and ``ReduceGrads`` (``buffered_allreduce_fallback``)
-averages dense gradients over the data-parallel group and expert gradients summed over the
-expert data-parallel group divided by the data-parallel size: the mean over the global batch,
-as in Megatron's ``DistributedDataParallel``. ``enable`` turns that path on after the engine
-is built (DeepSpeed decides ``has_moe_layers`` from its own module types).
+so ``register`` does, before ``deepspeed.initialize`` (``optim.param_groups`` then puts the
+tagged experts in MoE param groups of their own, and ``moe_engine`` lets the engine know): the
+engine then broadcasts each expert from its own replica group at start, and ``ReduceGrads``
+(``buffered_allreduce_fallback``) averages dense gradients over the data-parallel group and
+expert gradients summed over the expert data-parallel group divided by the data-parallel size:
+the mean over the global batch, as in Megatron's ``DistributedDataParallel``; the bf16 and
+ZeRO-1 wrappers partition and reduce each MoE group over its expert data-parallel group.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -57,6 +60,26 @@ def register(module: torch.nn.Module, dims: ParallelDims) -> bool:
     return True
 
 
-def enable(engine) -> None:
-    """DeepSpeed's MoE gradient path on an engine built after ``register``."""
-    engine.has_moe_layers = True
+@contextlib.contextmanager
+def moe_engine(split_experts: bool):
+    """DeepSpeed engines built inside know they hold MoE parameters (``has_moe_layers``),
+    as they do for DeepSpeed's own MoE modules, so that their bf16 and ZeRO-1 optimizer
+    wrappers take the MoE param groups (``optim.param_groups``) over their expert
+    data-parallel groups. DeepSpeed decides it from its module types only; here it is set
+    right after that decision, for the engines built in the ``with`` block."""
+    if not split_experts:
+        yield
+        return
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    configure = DeepSpeedEngine._configure_distributed_model
+
+    def with_experts(self, model):
+        configure(self, model)
+        self.has_moe_layers = True
+
+    DeepSpeedEngine._configure_distributed_model = with_experts
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._configure_distributed_model = configure
