@@ -81,6 +81,17 @@ def runs(small_dataset, tmp_path_factory, request):
         )
         ref = reference_name(mode, moe)
         refs[ref] = overrides(small_dataset, mode, str(tmp / "runs" / f"ref-{ref}"), **base)
+    if selected_params(request, "test_moe_checkpoint_reshards_from_tensor_to_expert_parallel"):
+        saved = tmp / "runs" / "tp2-save" / "checkpoints" / "step-00000002"
+        save = SP | {"checkpoint.every": 2}
+        resume = {"parallel.dp": 2, "parallel.ep": 2, "checkpoint.resume": str(saved)}
+        cases = by_world.setdefault(2, {})
+        for name, extra in (("tp2-save", save), ("ep2-resume", resume)):
+            run = str(tmp / "runs" / name)
+            cases[name] = overrides(small_dataset, "block", run, **BATCH, **MOE, **extra)
+        refs["block-moe"] = overrides(
+            small_dataset, "block", str(tmp / "runs" / "ref-block-moe"), **BATCH, **MOE
+        )
     results = {"reference": train_cases(tmp / "references", refs, nproc=1)}
     for world, cases in sorted(by_world.items()):
         results |= train_cases(tmp / f"world{world}", cases, nproc=world)
@@ -120,3 +131,14 @@ def test_profiled_boundary_bytes_per_rank_fall_by_tp(small_dataset, tmp_path):
         assert measured["measured_bytes_per_micro_batch"] == split.bytes_forward
         assert measured["tensors_per_micro_batch"] == 1
     assert profile["bytes_equal_contract"]
+
+
+def test_moe_checkpoint_reshards_from_tensor_to_expert_parallel(runs):
+    """Written at tp = 2 with sequence parallelism (experts split over the tensor ranks) at
+    step 2, resumed at dp = ep = 2 (whole experts split over data-parallel ranks): step 3
+    ends where the uninterrupted single-process run does."""
+    reference = result_of(runs["reference"], "block-moe")
+    assert_matches(result_of(runs, "tp2-save"), reference, "sp tp2 moe save")
+    resumed = result_of(runs, "ep2-resume")
+    assert len(resumed["losses"]) == 1
+    assert_matches(resumed, {**reference, "losses": reference["losses"][2:]}, "tp2 -> ep2")

@@ -143,6 +143,7 @@ FILES: dict[str, str | tuple[str, ...]] = {
         "test_sequence_parallel_matches_single_process[pp2-tp2-full]",
         "test_sequence_parallel_matches_single_process[dp2-ep2-tp2-moe-block]",
         "test_profiled_boundary_bytes_per_rank_fall_by_tp",
+        "test_moe_checkpoint_reshards_from_tensor_to_expert_parallel",
     ),
     "test_model.py": FAST,
     "test_model_two_phase.py": FAST,
