@@ -156,6 +156,15 @@ def train_cases(
     return results
 
 
+def train_by_world(tmp_path, references: dict, by_world: dict[int, dict]) -> dict:
+    """The single-process ``references`` in one launch (under ``"reference"``), then each world
+    size's cases in one launch of that many ranks: every case's result by name."""
+    results = {"reference": train_cases(tmp_path / "references", references, nproc=1)}
+    for world, cases in sorted(by_world.items()):
+        results |= train_cases(tmp_path / f"world{world}", cases, nproc=world)
+    return results
+
+
 def result_of(results: dict, name: str):
     """The case's result (a dict, or what ``p2p_record.recorded_cases`` pairs with it), or the
     test fails with why there is none (the string in its place)."""

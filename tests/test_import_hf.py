@@ -297,13 +297,18 @@ def make_mixtral(directory, layers=2, experts=4, top_k=2):
         eos_token_id=0,
     )
     torch.manual_seed(13)
-    model = MixtralForCausalLM(config).eval()
+    return randomised_and_saved(MixtralForCausalLM(config).eval(), directory)
+
+
+def randomised_and_saved(model, directory):
+    """``model`` with random norm gains and routers far from uniform (distinct top-k), saved by
+    transformers beside a tokenizer; returns it."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.3 * torch.randn(p.shape))
-            elif name.endswith("gate.weight"):  # routers far from uniform: distinct top-k
-                p.mul_(20)
+            elif name.endswith("gate.weight"):
+                p.copy_(torch.randn(p.shape))
     model.save_pretrained(directory)
     make_hf_tokenizer(directory / "tokenizer.json")
     return model
@@ -358,16 +363,7 @@ def make_qwen3_moe(directory, norm_topk_prob=True, layers=3):
         eos_token_id=0,
     )
     torch.manual_seed(17)
-    model = Qwen3MoeForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn(p.shape))
-            elif name.endswith("gate.weight"):  # the router: far from uniform
-                p.copy_(torch.randn(p.shape))
-    model.save_pretrained(directory)
-    make_hf_tokenizer(directory / "tokenizer.json")
-    return model
+    return randomised_and_saved(Qwen3MoeForCausalLM(config).eval(), directory)
 
 
 @pytest.mark.parametrize("mode, renormalised", [("block", True), ("full", False)])

@@ -23,7 +23,7 @@ from tests.equivalence_helpers import (
     overrides,
     result_of,
     selected_params,
-    train_cases,
+    train_by_world,
 )
 
 MOE = {
@@ -112,10 +112,7 @@ def runs(small_dataset, tmp_path_factory, request):
             cases[name] = args(small_dataset, tmp, name, "block", resume)
             modes.add("block")
     refs = {mode: args(small_dataset, tmp, f"ref-{mode}", mode, {}) for mode in sorted(modes)}
-    results = {"reference": train_cases(tmp / "references", refs, nproc=1)}
-    for world, cases in sorted(by_world.items()):
-        results |= train_cases(tmp / f"world{world}", cases, nproc=world)
-    return results
+    return train_by_world(tmp, refs, by_world)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -317,7 +317,7 @@ def test_choices_route_to_megatron_specs_and_optimizers(monkeypatch):
     te = RuntimeChoice(*[Choice(v, "test") for v in ("cuda", "te", "torch", "torch", "fp32")])
     sentinel = object()
     monkeypatch.setattr(
-        gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec", lambda: sentinel
+        gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec", lambda **kw: sentinel
     )
     assert layer_specs.layer_spec(te) is sentinel
 

@@ -24,7 +24,7 @@ from tests.equivalence_helpers import (
     overrides,
     result_of,
     selected_params,
-    train_cases,
+    train_by_world,
 )
 
 SP = {"parallel.tp": 2, "parallel.sequence_parallel": True}
@@ -92,10 +92,7 @@ def runs(small_dataset, tmp_path_factory, request):
         refs["block-moe"] = overrides(
             small_dataset, "block", str(tmp / "runs" / "ref-block-moe"), **BATCH, **MOE
         )
-    results = {"reference": train_cases(tmp / "references", refs, nproc=1)}
-    for world, cases in sorted(by_world.items()):
-        results |= train_cases(tmp / f"world{world}", cases, nproc=world)
-    return results
+    return train_by_world(tmp, refs, by_world)
 
 
 @pytest.mark.parametrize("case", list(CASES))

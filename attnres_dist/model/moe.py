@@ -50,8 +50,9 @@ def init_experts(mlp, seeded, layer_index: int) -> None:
     builder's seed context (``model/gpt.py``)."""
     config = mlp.config
     tp = mlp.experts.tp_group  # the experts' tensor-parallel group (Megatron: tp's ranks)
-    for local, expert in zip(mlp.local_expert_indices, mlp.experts.local_experts, strict=True):
-        with seeded(f"layer.{layer_index}.expert.{local}"):
+    # Megatron's local_expert_indices are the global indices of this rank's experts
+    for index, expert in zip(mlp.local_expert_indices, mlp.experts.local_experts, strict=True):
+        with seeded(f"layer.{layer_index}.expert.{index}"):
             _draw(expert, config, tp.rank(), tp.size())
     if mlp.shared_experts is not None:
         shared = mlp.shared_experts.tp_group
