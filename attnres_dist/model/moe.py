@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from attnres_dist.config import ModelConfig
+from attnres_dist.parallel.comm_device import comm_device
 from attnres_dist.parallel.tp_shards import is_sharded, shard_of
 
 
@@ -100,9 +101,11 @@ class RoutingStats:
         clear_aux_losses_tracker()
         self.num_layers, self.num_experts = model.num_layers, model.moe.num_experts
         self.top_k = model.moe.top_k
-        self.tokens = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
-        self.routed = torch.zeros(self.num_layers, dtype=torch.float64)  # tokens routed
-        self.calls = torch.zeros(self.num_layers, dtype=torch.float64)  # training forwards
+        # on the device collectives use (the routing's own: counted without a host wait)
+        counter = {"dtype": torch.float64, "device": comm_device()}
+        self.tokens = torch.zeros(self.num_layers, self.num_experts, **counter)
+        self.routed = torch.zeros(self.num_layers, **counter)  # tokens routed
+        self.calls = torch.zeros(self.num_layers, **counter)  # training forwards
         self.moe_layers = []
         for module in root.modules():
             if is_moe(module):  # Megatron numbers layers from 1
@@ -133,12 +136,13 @@ class RoutingStats:
 
         tracker = get_moe_layer_wise_logging_tracker()
         names = sorted(tracker)
-        losses = torch.zeros(len(names), self.num_layers, dtype=torch.float64)
+        losses = torch.zeros(len(names), self.num_layers, dtype=torch.float64, device=comm_device())
         for k, name in enumerate(names):
-            losses[k] = tracker[name]["values"].detach().double().cpu()
+            losses[k] = tracker[name]["values"].detach().to(losses)
         packed = torch.cat([losses.flatten(), self.tokens.flatten(), self.routed, self.calls])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(packed)
+        packed = packed.cpu()  # one wait for the device, on the steps that log
         losses, tokens, routed, calls = packed.split(
             [losses.numel(), self.tokens.numel(), self.num_layers, self.num_layers]
         )
