@@ -150,6 +150,20 @@ def variant_config(args: argparse.Namespace, name: str, *settings: str):
     )
 
 
+def job_config(args: argparse.Namespace, **extra) -> dict:
+    """What a job's result records of how it ran: config, overrides, repetitions, threads."""
+    import torch
+
+    return {
+        "path": str(args.config),
+        "overrides": args.overrides,
+        "reps": args.reps,
+        "warmup": args.warmup,
+        "threads_per_rank": torch.get_num_threads(),
+        **extra,
+    }
+
+
 def rotating_steps(names: list[str], warmup: int, reps: int) -> Iterator[tuple[int, str]]:
     """``(rep, name)`` per step: every name once a repetition, the order rotating each one."""
     for rep in range(warmup + reps):

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from bench import launch_job as job
+from bench.paired import paired_ratio
 
 MOE_CONFIG = job.REPO / "configs" / "moe_tiny.yaml"
 LAYOUT = ("parallel.pp=1", "parallel.dp=2", "parallel.ep=2", "parallel.tp=1")
@@ -49,10 +50,9 @@ def run(
     raw = job.bench_job("bench.moe_bench", out_dir, config, reps, warmup, overrides)
     v = raw["variants"]
     step = {name: x["step_s"]["samples"] for name, x in v.items()}
-    paired = lambda a, b: statistics.median(x / y for x, y in zip(step[a], step[b], strict=True))
     result = raw | {
         "ratios": {
-            "moe_block_over_moe_baseline": paired("moe_block", "moe_baseline"),
+            "moe_block_over_moe_baseline": paired_ratio(step["moe_block"], step["moe_baseline"]),
             "dispatch_share_moe_block": v["moe_block"]["dispatch_share"],
             "dispatch_share_moe_baseline": v["moe_baseline"]["dispatch_share"],
         }
@@ -74,6 +74,26 @@ def format_table(result: dict) -> str:
             f"{v['dispatch_share']:.3f} |"
         )
     return "\n".join(rows)
+
+
+def markdown(moe: dict) -> list[str]:
+    """The summary's section (``bench/run.py``)."""
+    r = moe["ratios"]
+    return [
+        "",
+        "## Mixture of experts at dp = ep = 2",
+        "",
+        f"`{moe['config']['path']}`, {moe['config']['reps']} repetitions, interleaved; the "
+        "dispatcher's collectives timed on each rank inside the step.",
+        "",
+        format_table(moe),
+        "",
+        "| ratio | value |",
+        "|---|---|",
+        f"| MoE Block / MoE baseline step, paired | {r['moe_block_over_moe_baseline']:.3f} |",
+        f"| dispatch collectives / step, MoE Block | {r['dispatch_share_moe_block']:.3f} |",
+        f"| dispatch collectives / step, MoE baseline | {r['dispatch_share_moe_baseline']:.3f} |",
+    ]
 
 
 # -- the job (every rank) ----------------------------------------------------------------------
@@ -107,7 +127,6 @@ def timed_collectives(clock: list[float]):
 
 
 def _worker(args) -> None:
-    import torch
     import torch.distributed as dist
 
     from attnres_dist.train.trainer import Trainer
@@ -130,27 +149,16 @@ def _worker(args) -> None:
     gathered = job.gather_to_first(dispatch)
     out = None
     if dist.get_rank() == 0:
-        out = {
-            "variants": {},
-            "config": {
-                "path": str(args.config),
-                "overrides": args.overrides,
-                "reps": args.reps,
-                "warmup": args.warmup,
-                "threads_per_rank": torch.get_num_threads(),
-            },
-        }
+        out = {"variants": {}, "config": job.job_config(args)}
         for name in names:
             params = list(trainers[name].engine.engine.module.parameters())
-            per_rank = [
-                [d / t for d, t in zip(r[name], times[name], strict=True)] for r in gathered
-            ]
+            per_rank = [paired_ratio(r[name], times[name]) for r in gathered]
             out["variants"][name] = {
                 "settings": list(VARIANTS[name]),
                 "parameters_per_rank": sum(p.numel() for p in params),
                 "step_s": job.quantiles(times[name]),
                 "dispatch_s_median": statistics.median(x for r in gathered for x in r[name]),
-                "dispatch_share": max(statistics.median(s) for s in per_rank),
+                "dispatch_share": max(per_rank),  # the busiest rank's median share
             }
     job.finish_worker(args, out)
 

@@ -236,16 +236,7 @@ def _worker(args) -> None:
     out = None
     if rank == 0:
         every = [t for part, _ in gathered for t in part]
-        out = {
-            "variants": {},
-            "config": {
-                "path": str(args.config),
-                "overrides": args.overrides,
-                "reps": args.reps,
-                "warmup": args.warmup,
-                "threads_per_rank": torch.get_num_threads(),
-            },
-        }
+        out = {"variants": {}, "config": job.job_config(args)}
         for name in names:
             mine = [t for t in every if step_variant[t["step"]] == name]
             out["variants"][name] = {

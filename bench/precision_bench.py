@@ -153,15 +153,9 @@ def _worker(args) -> None:
     if dist.get_rank() == 0:
         out = {
             "variants": {},
-            "config": {
-                "path": str(args.config),
-                "overrides": args.overrides,
-                "reps": args.reps,
-                "warmup": args.warmup,
-                "layout": "pp=1 x dp=2 x tp=1",
-                "threads_per_rank": torch.get_num_threads(),
-                "device": "cuda" if cuda else "cpu",
-            },
+            "config": job.job_config(
+                args, layout="pp=1 x dp=2 x tp=1", device="cuda" if cuda else "cpu"
+            ),
         }
         for name in names:
             params = list(trainers[name].engine.engine.module.parameters())

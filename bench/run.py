@@ -248,25 +248,6 @@ def precision_markdown(prec: dict) -> list[str]:
     ]
 
 
-def moe_markdown(moe: dict) -> list[str]:
-    r = moe["ratios"]
-    return [
-        "",
-        "## Mixture of experts at dp = ep = 2",
-        "",
-        f"`{moe['config']['path']}`, {moe['config']['reps']} repetitions, interleaved; the "
-        "dispatcher's collectives timed on each rank inside the step.",
-        "",
-        moe_bench.format_table(moe),
-        "",
-        "| ratio | value |",
-        "|---|---|",
-        f"| MoE Block / MoE baseline step, paired | {r['moe_block_over_moe_baseline']:.3f} |",
-        f"| dispatch collectives / step, MoE Block | {r['dispatch_share_moe_block']:.3f} |",
-        f"| dispatch collectives / step, MoE baseline | {r['dispatch_share_moe_baseline']:.3f} |",
-    ]
-
-
 def summary_markdown(
     depth: dict,
     pipe: dict,
@@ -407,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
         host = host_bench.run(out)
         moe = moe_bench.run(out)
     text = summary_markdown(depth, pipe, gen, model, prec, norm, binding, compiled)
-    text += "\n".join(["", *host_bench.markdown(host), *moe_markdown(moe)])
+    text += "\n".join(["", *host_bench.markdown(host), *moe_bench.markdown(moe)])
     (out / "summary.md").write_text(text)
     print(text)
 

@@ -310,7 +310,6 @@ def test_moe_bench_smoke(small_dataset, tmp_path):
     """MoE Block and MoE baseline at dp = ep = 2: both step, the dispatcher's collectives
     are seen and take part of the step, the summary rows exist."""
     from bench import moe_bench
-    from bench.run import moe_markdown
 
     small = (f"data.path={small_dataset}", "model.num_layers=2", "model.hidden_size=32")
     result = moe_bench.run(tmp_path, overrides=small, reps=1, warmup=1)
@@ -318,5 +317,5 @@ def test_moe_bench_smoke(small_dataset, tmp_path):
     for v in result["variants"].values():
         assert v["step_s"]["median"] > 0 and v["dispatch_s_median"] > 0
         assert 0 < v["dispatch_share"] < 1
-    text = "\n".join(moe_markdown(result))
+    text = "\n".join(moe_bench.markdown(result))
     assert "MoE Block / MoE baseline" in text and "| moe_block |" in text
