@@ -170,15 +170,12 @@ def _stage_tensors(engine, group, experts_only: bool = False) -> dict[str, torch
     for name, param, owned in engine.checkpoint_params():
         if not owned:
             continue
-        dropped = experts_only and not is_expert_param(param)  # data-parallel rank 0 writes it
         if sharded is not None:  # collective: read on every replica, kept or not
             value, state = sharded.master(param), sharded.state(param)
-        elif dropped:
+        if experts_only and not is_expert_param(param):  # data-parallel rank 0 writes it
             continue
-        else:
+        if sharded is None:
             value, state = param, dict(optimizer.state.get(param, {}))
-        if dropped:
-            continue
         tensors[f"model/{name}"] = gather_full(value, param, group)
         if "step" not in state and id(param) in group_step:
             state["step"] = group_step[id(param)]

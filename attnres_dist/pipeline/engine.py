@@ -224,15 +224,20 @@ class PipelineEngine:
         virtual stages rank 0 holds chunk 0, so the same rule holds)."""
         return id(p) not in self._tied or self._stage == 0
 
+    def _first_replica(self, p: torch.nn.Parameter) -> bool:
+        """This rank holds the first data-parallel replica of ``p`` (an expert split over
+        expert-parallel ranks: the first of its expert data-parallel replicas)."""
+        if is_expert_param(p):
+            return self.dims.expert_coords(self.rank)[1] == 0
+        return self.dims.coords(self.rank)[1] == 0
+
     def _counted(self, p: torch.nn.Parameter) -> bool:
-        """This rank's copy is the one the global norm and the parameter count include: the
-        first replica of it (data-parallel rank 0; an expert split over ranks: its expert
-        data-parallel rank 0), on tensor rank 0 unless it is a tensor-parallel shard, and the
-        first stage's copy of the tied embedding."""
-        _, dp_rank, tp_rank = self.dims.coords(self.rank)
-        replica = self.dims.expert_coords(self.rank)[1] if is_expert_param(p) else dp_rank
+        """This rank's copy is the one the global norm and the parameter count include: its
+        first replica, on tensor rank 0 unless it is a tensor-parallel shard, and the first
+        stage's copy of the tied embedding."""
+        tp_rank = self.dims.coords(self.rank)[2]
         sharded = getattr(p, "tensor_model_parallel", False)
-        return self._owned(p) and replica == 0 and (tp_rank == 0 or sharded)
+        return self._owned(p) and self._first_replica(p) and (tp_rank == 0 or sharded)
 
     def _build_optimizer(self):
         norm_params = [p for _, p in self.module.named_parameters() if self._counted(p)]
@@ -337,8 +342,7 @@ class PipelineEngine:
         """
         from megatron.core import parallel_state
 
-        _, dp_rank, tp_rank = self.dims.coords(self.rank)
-        edp_rank = self.dims.expert_coords(self.rank)[1]
+        tp_rank = self.dims.coords(self.rank)[2]
         tp_group = parallel_state.get_tensor_model_parallel_group()
         n = self.cfg.model.num_layers
         local = {}
@@ -349,8 +353,7 @@ class PipelineEngine:
             if self.sharded_state is not None:  # the fp32 master weight (collective over dp)
                 value = self.sharded_state.master(param)
             full = gather_full(value, param, group=tp_group)
-            replica = edp_rank if is_expert_param(param) else dp_rank
-            if replica == 0 and tp_rank == 0:  # pickled to rank 0 by gather_object
+            if self._first_replica(param) and tp_rank == 0:  # pickled to rank 0 (gather_object)
                 local[self._name(name, n)] = full.cpu()
         gathered = [None] * dist.get_world_size() if self.rank == 0 else None
         dist.gather_object(local, gathered, dst=0)
