@@ -18,6 +18,18 @@ import torch
 from tests.conftest import run_job
 
 TOL = 1e-5  # absolute + relative, fp32
+# the MoE equivalence case's layers: 4 experts, top-2, a shared expert, the first layer dense,
+# load-balancing and z-losses on
+MOE_LAYERS = {
+    "model.moe.num_experts": 4,
+    "model.moe.top_k": 2,
+    "model.moe.dense_layers": 1,
+    "model.moe.shared_expert_ffn_hidden_size": 32,
+    "model.moe.z_loss_coeff": 1e-3,
+}
+# 8 micro-batches of 2 (4 per rank at dp = 2, as DualPipeV needs at pp = 2): the router's
+# losses are per micro-batch, so every layout keeps the reference's micro-batches
+MOE_BATCH = {"train.global_batch_size": 16}
 MODES = ["baseline", "full", "block"]
 REACHED = os.environ.get("ATTNRES_TOLERANCE_LOG")  # optional: append reached diffs (JSONL)
 

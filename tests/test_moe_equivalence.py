@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from tests.equivalence_helpers import (
+    MOE_BATCH,
+    MOE_LAYERS,
     assert_matches,
     assert_tracks_fp32,
     overrides,
@@ -26,16 +28,7 @@ from tests.equivalence_helpers import (
     train_by_world,
 )
 
-MOE = {
-    "model.moe.num_experts": 4,
-    "model.moe.top_k": 2,
-    "model.moe.dense_layers": 1,
-    "model.moe.shared_expert_ffn_hidden_size": 32,
-    "model.moe.z_loss_coeff": 1e-3,
-    # 8 micro-batches of 2 (4 per rank at dp = 2, as DualPipeV needs at pp = 2): the router's
-    # losses are per micro-batch, so every layout keeps the reference's micro-batches
-    "train.global_batch_size": 16,
-}
+MOE = MOE_LAYERS | MOE_BATCH
 EP2 = {"parallel.dp": 2, "parallel.ep": 2}
 CASES = {
     "ep2-block-attnres": (2, "block", EP2 | {"parallel.recompute": "attnres"}),

@@ -20,6 +20,8 @@ from attnres_dist.config import load_config
 from attnres_dist.pipeline.contract import boundary_specs_for_config
 from tests.conftest import TINY_MODEL, run_job
 from tests.equivalence_helpers import (
+    MOE_BATCH,
+    MOE_LAYERS,
     assert_matches,
     overrides,
     result_of,
@@ -28,14 +30,6 @@ from tests.equivalence_helpers import (
 )
 
 SP = {"parallel.tp": 2, "parallel.sequence_parallel": True}
-BATCH = {"train.global_batch_size": 16}  # 4 micro-batches per rank at dp = 2 (DualPipeV)
-MOE = {
-    "model.moe.num_experts": 4,
-    "model.moe.top_k": 2,
-    "model.moe.dense_layers": 1,
-    "model.moe.shared_expert_ffn_hidden_size": 32,
-    "model.moe.z_loss_coeff": 1e-3,
-}
 ALLGATHER = {"model.moe.token_dispatcher": "allgather"}  # gloo: tp and ep together (rules)
 CASES = {  # name: (world, mode, moe, settings)
     "tp2-block": (2, "block", False, {}),
@@ -74,7 +68,7 @@ def runs(small_dataset, tmp_path_factory, request):
     for params in selected_params(request, "test_sequence_parallel_matches_single_process"):
         name = params["case"]
         world, mode, moe, extra = CASES[name]
-        base = BATCH | (MOE if moe else {})
+        base = MOE_BATCH | (MOE_LAYERS if moe else {})
         run = str(tmp / "runs" / name)
         by_world.setdefault(world, {})[name] = overrides(
             small_dataset, mode, run, **base, **SP, **extra
@@ -88,9 +82,9 @@ def runs(small_dataset, tmp_path_factory, request):
         cases = by_world.setdefault(2, {})
         for name, extra in (("tp2-save", save), ("ep2-resume", resume)):
             run = str(tmp / "runs" / name)
-            cases[name] = overrides(small_dataset, "block", run, **BATCH, **MOE, **extra)
+            cases[name] = overrides(small_dataset, "block", run, **MOE_BATCH, **MOE_LAYERS, **extra)
         refs["block-moe"] = overrides(
-            small_dataset, "block", str(tmp / "runs" / "ref-block-moe"), **BATCH, **MOE
+            small_dataset, "block", str(tmp / "runs" / "ref-block-moe"), **MOE_BATCH, **MOE_LAYERS
         )
     return train_by_world(tmp, refs, by_world)
 
