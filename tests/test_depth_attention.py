@@ -33,6 +33,7 @@ from bench.saved_bytes import SavedTensorCounter
 da_module = importlib.import_module("attnres_dist.ops.depth_attention")
 
 SHAPES = [(5, 8), (7, 3, 16), (2, 4, 64)]
+REFERENCE_PHASE2 = get_depth_attention("reference").phase2
 NS = [1, 2, 3, 9, 17]
 
 
@@ -271,14 +272,16 @@ def test_validation_errors(impl):
 
 
 def test_registry():
-    assert get_depth_attention("lean").one_pass is depth_attention
-    assert get_depth_attention("reference").one_pass is depth_attention_reference
+    # the one-pass kernels serve phase 2 alone (over the empty phase 1)
+    assert get_depth_attention("lean").phase2.__wrapped__ is depth_attention
+    assert get_depth_attention("reference").phase2.__wrapped__ is depth_attention_reference
+    assert get_depth_attention("lean").phase1 is None
     assert get_depth_attention().name == "lean"
     assert {"lean", "reference"} <= set(available_depth_attention_impls())
     with pytest.raises(ValueError, match="allowed:.*'lean'.*'reference'"):
         get_depth_attention("fused_cuda_missing")
     with pytest.raises(ValueError, match="already registered"):
-        register_depth_attention(DepthAttentionImpl("lean", one_pass=depth_attention_reference))
+        register_depth_attention(DepthAttentionImpl("lean", phase2=REFERENCE_PHASE2))
     with pytest.raises(ValueError, match="DepthAttentionImpl"):
         register_depth_attention(depth_attention_reference)
 
@@ -286,6 +289,6 @@ def test_registry():
 def test_registry_accepts_new_impl(monkeypatch):
     registry = dict(importlib.import_module("attnres_dist.ops")._REGISTRY)
     monkeypatch.setattr(importlib.import_module("attnres_dist.ops"), "_REGISTRY", registry)
-    impl = DepthAttentionImpl("test_impl", one_pass=depth_attention_reference)
+    impl = DepthAttentionImpl("test_impl", phase2=REFERENCE_PHASE2)
     register_depth_attention(impl)
     assert get_depth_attention("test_impl") is impl

@@ -1,7 +1,7 @@
 """Outside AttnRes kernels (fla-core, flash-attn-res) behind the registry's interfaces.
 
 On the CPU: fla-core's own naive ``naive_attnres`` (an implementation independent of this
-project) pins the argument mapping that ``fla_one_pass`` uses and serves as a second
+project) pins the argument mapping that ``fla_phase2`` uses and serves as a second
 reference for the Triton kernels (interpreted); the torch fold that lets flash-attn-res's
 phase 2 take several extra sources is checked against the reference; the requirement reasons
 are the one-liners a config refusal shows. On a CUDA device (marked ``cuda``) the adapters
@@ -172,3 +172,32 @@ def test_flash_attn_res_two_phase_on_cuda(n, m):
         torch.testing.assert_close(o.float(), r, atol=3e-2, rtol=3e-2)
     for a, w in zip(got, want, strict=True):
         torch.testing.assert_close(a.float(), w, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize(
+    "mode, size", [("block", 3), ("full", 1), ("delta_block", 2), ("delta_full", 1)]
+)
+def test_model_on_a_stacked_one_pass_kernel(mode, size, monkeypatch):
+    """A one-pass kernel that takes the sources stacked (as fla's ``fused_attnres`` does; here
+    fla-core's own ``naive_attnres``, on the CPU) serves the model through phase 2 alone, over
+    the empty phase 1: loss and every gradient match the two-phase torch ops."""
+    from attnres_dist.ops import DepthAttentionImpl, register_depth_attention
+    from attnres_dist.ops.depth_attention import one_pass_phase2
+    from attnres_dist.parallel.dims import ParallelDims
+    from attnres_dist.parallel.process_groups import init_distributed
+    from tests.test_model_two_phase import assert_same, build, loss_and_grads
+
+    naive = load_fla_naive()
+    registry = dict(importlib.import_module("attnres_dist.ops")._REGISTRY)
+    monkeypatch.setattr("attnres_dist.ops._REGISTRY", registry)
+
+    def kernel(query, sources, gain, eps):
+        assert isinstance(sources, torch.Tensor)  # stacked, as fused_attnres takes them
+        return naive(query, sources, gain, rms_eps=eps)
+
+    register_depth_attention(
+        DepthAttentionImpl("fla_naive", phase2=one_pass_phase2(kernel, stacked=True))
+    )
+    init_distributed(ParallelDims(), seed=0)
+    want = loss_and_grads(build("twophase", mode, size, 4))
+    assert_same(loss_and_grads(build("fla_naive", mode, size, 4)), want)

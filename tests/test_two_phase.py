@@ -26,6 +26,7 @@ from attnres_dist.ops import (
 )
 from bench.saved_bytes import SavedTensorCounter
 
+REFERENCE_PHASE2 = get_depth_attention("reference").phase2
 NS = [1, 2, 3, 9, 17]
 RUNNABLE = [name for name, why in runnable_depth_attention_impls().items() if why is None]
 TWO_PHASE = [name for name in RUNNABLE if get_depth_attention(name).two_phase]
@@ -267,7 +268,7 @@ def test_auto_and_refusals(monkeypatch):
     monkeypatch.setattr("attnres_dist.ops._REGISTRY", registry)
     register_depth_attention(
         DepthAttentionImpl(
-            "needs_x", one_pass=depth_attention_reference, requirement=lambda: "x missing"
+            "needs_x", phase2=REFERENCE_PHASE2, requirement=lambda: "x missing"
         )
     )
     with pytest.raises(ConfigError) as err:
@@ -278,7 +279,7 @@ def test_auto_and_refusals(monkeypatch):
     # without the C kernels (no compiler) auto takes the torch two-phase ops and says why
     register_depth_attention(
         DepthAttentionImpl(
-            "cpu_fused", one_pass=depth_attention_reference, requirement=lambda: "no cc"
+            "cpu_fused", phase2=REFERENCE_PHASE2, requirement=lambda: "no cc"
         ),
         overwrite=True,
     )
@@ -302,7 +303,7 @@ def test_auto_on_cuda_prefers_fla_then_triton(monkeypatch, runnable, expected):
     for name in ("fla", "triton"):
         why = None if name in runnable else f"{name} is not installed"
         impl = DepthAttentionImpl(
-            name, one_pass=depth_attention_reference, requirement=lambda w=why: w
+            name, phase2=REFERENCE_PHASE2, requirement=lambda w=why: w
         )
         register_depth_attention(impl, overwrite=True)
     choice = select_depth_attention("auto", "cuda")

@@ -4,10 +4,9 @@
 pseudo-query and its key RMSNorm gain) run by the configured implementation. The queries and
 gains of a layer's two mixers are one parameter (``mixer_weights``).
 
-With a two-phase implementation (the registry's ``two_phase``), sublayers are grouped into
-*segments*: consecutive sublayers of one stage that attend over the same completed blocks.
-At a segment's first sublayer, phase 1 attends the queries of all its sublayers over the store
-in one batched pass; each sublayer then merges what is not in that store (phase 2). Segments:
+Sublayers are grouped into *segments*: consecutive sublayers of one stage that attend over
+the same completed blocks. At a segment's first sublayer, phase 1 attends the queries of all
+its sublayers over the store in one batched pass; each sublayer then merges what is not in that store (phase 2). Segments:
 
 * Block AttnRes: a block, cut where a stage or a full-recompute group starts inside it; phase 2
   merges the partial block.
@@ -26,8 +25,9 @@ that layer's segment (``join_final_segment``), so its phase 1 is the segment's a
 merges the block closed since; a phase 1 of its own would read every block once more.
 
 The phase-1 results live in the state (``Phase1Cache``) until the segment ends; they never
-cross a stage boundary. One-pass implementations (``lean``, ``reference``) read
-``state.sources()`` as before.
+cross a stage boundary. A one-pass implementation (``lean``, ``reference``, ``fla``: phase 2
+alone) runs the same schedule with an empty phase 1: its segments read no block (``rows``
+0), and each sublayer's phase 2 reads every source.
 
 Delta AttnRes (``delta``) runs the same schedule without the partial block among the mixed
 sources, and adds the residual stream to the mix before the norm: phase 1 also sums the rows
@@ -107,35 +107,28 @@ class DepthMixer:
 
     def mix_norm(self, state: DepthState, segment, sublayer: int, norm):
         """(state, ``norm(mix)``): the sublayer's normalised input (Delta: ``norm(stream +
-        mix)``). Two-phase: phase 1 at the segment's first sublayer (its results join the
-        state), then this sublayer's merge; one-pass: the mix over ``state.sources()``. Under
-        ``recompute`` (``attnres``) the merge or mix and the norm are recomputed in backward."""
-        if not self.two_phase:
-            inputs = state.sources()
-            if self.delta:
-                mixed = state.num_completed
-                fn = lambda *s: norm(self(s[:mixed]) + sum(s[1:], s[0]))  # noqa: E731
-            else:
-                fn = lambda *s: norm(self(s))  # noqa: E731
+        mix)``): phase 1 at the segment's first sublayer (its results join the state), then
+        this sublayer's merge. Under ``recompute`` (``attnres``) the merge and the norm are
+        recomputed in backward."""
+        state = segment.begin(state)
+        cache = state.phase1
+        if self.delta:
+            out1, lse, extra, _ = state.merge_inputs(sublayer, with_partial=False)
+            inputs = (out1, lse, extra, state.store.dtype, cache.stream, state.partial)
+            fn = lambda *a: self.delta_merge(*a, norm=norm)  # noqa: E731
         else:
-            state = segment.begin(state)
-            cache = state.phase1
-            if self.delta:
-                out1, lse, extra, _ = state.merge_inputs(sublayer, with_partial=False)
-                inputs = (out1, lse, extra, state.store.dtype, cache.stream, state.partial)
-                fn = lambda *a: self.delta_merge(*a, norm=norm)  # noqa: E731
-            else:
-                out1, lse, extra, into = state.merge_inputs(sublayer, self.grad_into)
-                if cache.first_normed and sublayer == cache.first:
-                    return state, out1  # phase 1 applied this sublayer's norm
-                inputs = (out1, lse, extra, state.store.dtype, into)
-                fn = lambda *a: self.merge(*a, norm=norm)  # noqa: E731
+            out1, lse, extra, into = state.merge_inputs(sublayer, self.grad_into)
+            if cache.first_normed and sublayer == cache.first:
+                return state, out1  # phase 1 applied this sublayer's norm
+            inputs = (out1, lse, extra, state.store.dtype, into)
+            fn = lambda *a: self.merge(*a, norm=norm)  # noqa: E731
         if self.recompute and torch.is_grad_enabled():
             return state, checkpoint_deterministic(fn, *inputs)
         return state, fn(*inputs)
 
     def merge(self, out1, lse, extra, dtype: torch.dtype, into=None, norm=None):
-        """Phase 2: this mixer's phase-1 result merged with ``extra`` (None: nothing), then
+        """Phase 2: this mixer's phase-1 result (None: the empty phase 1 of a one-pass
+        backend) merged with ``extra`` (None: nothing), then
         ``norm`` (a module, or None), fused into the merge where the backend fuses an RMSNorm
         and ``norm`` is one (``CpuRMSNorm``); ``into``: where the backend adds the extras'
         gradient (``grad_into``), or None."""
@@ -151,25 +144,29 @@ class DepthMixer:
 
     def delta_merge(self, out1, lse, extra, dtype, stream, partial, norm):
         """Delta AttnRes' phase 2: the mix of the completed blocks (``merge``) added to the
-        residual stream, ``stream`` (the rows phase 1 read, summed) plus ``extra`` (the rows
-        closed since) plus ``partial``, then ``norm``."""
+        residual stream, ``stream`` (the rows phase 1 read, summed; None: none) plus ``extra``
+        (the rows after them) plus ``partial``, then ``norm``."""
         if extra is not None:
-            stream = stream + extra.sum(0)
+            stream = extra.sum(0) if stream is None else stream + extra.sum(0)
         if partial is not None:
             stream = stream + partial
         return norm(self.merge(out1, lse, extra, dtype) + stream)
 
     def attend_store(self, state: DepthState) -> torch.Tensor:
-        """The whole two-phase mix for this mixer alone (the final aggregation). Its phase 1
-        reads every row of the store, usually the first to backpropagate into them: it writes
-        their gradient into the store's buffer, where autograd would hand the function that
-        made the store a gradient of the whole store to copy there."""
+        """The whole mix for this mixer alone (the final aggregation). Its phase 1 reads
+        every row of the store, usually the first to backpropagate into them: it writes their
+        gradient into the store's buffer, where autograd would hand the function that made
+        the store a gradient of the whole store to copy there. A one-pass backend reads every
+        source in phase 2."""
         store = state.store
+        extra = None if state.partial is None else state.partial.unsqueeze(0)
+        if not self.two_phase:
+            extra = store if extra is None else torch.cat((store, extra))
+            return self.merge(None, None, extra, store.dtype)
         options = state.store_grad_into(store.shape[0]) if self.grad_into else {}
         weights = self.weights[self.row : self.row + 1]
         out1, lse = self._op.phase1(store, weights, self.eps, **options)
-        extra = None if state.partial is None else state.partial.unsqueeze(0)
-        return self.merge(out1[0], lse[0], extra, state.store.dtype)
+        return self.merge(out1[0], lse[0], extra, store.dtype)
 
 
 def _stream_base(previous: Phase1Cache | None, store: torch.Tensor) -> torch.Tensor:
@@ -207,7 +204,9 @@ class Segment:
 
     first: int
     mixers: list[DepthMixer]
-    rows: int  # completed blocks at the start of the block (Full: group) it belongs to
+    # completed blocks at the start of the block (Full: group) it belongs to; 0 for a one-pass
+    # backend, whose phase 2 reads every source
+    rows: int
     # the first sublayer's RMSNorm where phase 1 may apply it too (``fuses_first_norm``)
     first_norm: CpuRMSNorm | None = None
 
@@ -228,6 +227,9 @@ class Segment:
         cache = state.phase1
         if cache is not None and cache.first == self.first:
             return state
+        if self.rows == 0:  # a one-pass backend: the empty phase 1, every source an extra
+            empty = (None,) * len(self.mixers)
+            return replace(state, phase1=Phase1Cache(self.first, 0, empty, empty))
         op, eps = self.mixers[0]._op, self.mixers[0].eps
         # phase 1 reads the blocks completed when the block (or Full group) began, wherever
         # the segment starts: a stage or recompute cut then changes no arithmetic
@@ -275,7 +277,8 @@ def configure_segments(layers: list, plan: BlockPlan, final=None, groups=None) -
         ):
             start = (sublayer - 1) // group * group + 1  # the block's (group's) first sublayer
             key = (recompute_group, start)
-            rows = plan.state_after(start - 1)[0]
+            # a one-pass backend reads no block in phase 1 (every source in phase 2)
+            rows = plan.state_after(start - 1)[0] if mixer.two_phase else 0
             segment = segments.get(key)
             if segment is None:  # the segment's first local sublayer
                 norms = layer.layer.input_layernorm, layer.layer.pre_mlp_layernorm
@@ -305,7 +308,6 @@ def join_final_segment(last, plan: BlockPlan, final) -> None:
     segment = last.segments.get(last.first_sublayer + 1)
     if (
         mixer is None
-        or not mixer.two_phase
         or segment is None
         or last.layer_index != plan.num_layers - 1
         or (mixer.impl, mixer.eps) != (segment.mixers[0].impl, segment.mixers[0].eps)

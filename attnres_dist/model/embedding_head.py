@@ -130,9 +130,7 @@ class FinalAggregation(torch.nn.Module):
             return state.partial
         if self.plan.delta:  # no final mix: the norm reads the residual stream
             return state.stream()
-        if self.mixer.two_phase:
-            return self.mixer.attend_store(state)
-        return self.mixer(state.sources())
+        return self.mixer.attend_store(state)
 
     def _phase2_inputs(self, state: DepthState):
         """``merge``'s arguments from the last segment's phase 1, or None where it did not run

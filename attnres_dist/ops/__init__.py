@@ -21,13 +21,13 @@ A backend that fuses more says which ``options`` its phases take:
 * ``first_norm`` (phase 1): an RMSNorm's ``(weight, eps)`` applied to the first output;
 * ``norm`` (phase 2): an RMSNorm's ``(weight, eps)`` applied to the result.
 
-A one-pass kernel (``depth_attention``'s signature: ``query, sources, norm_weight, eps,
-return_weights``) is a backend of its own kind (``one_pass``); every two-phase backend also
-answers that call, composed from its phases. ``requirement()`` says why a backend cannot run
-here (None when it can), so a config asking for it is refused with that reason.
+A one-pass kernel (``lean``, ``reference``, ``fla``) is a backend with phase 2 alone: it
+serves the empty phase 1 (``out1 = lse = None``: no block read yet), every source an extra
+row, and the model runs it so (``model/depth_mixing.py``). ``requirement()`` says why a backend
+cannot run here (None when it can), so a config asking for it is refused with that reason.
 
-Backends: ``reference`` (plain autograd, the ground truth) and ``lean`` (memory-lean, one
-pass); ``twophase`` (:mod:`attnres_dist.ops.two_phase`, torch ops, CPU and GPU, what a compiled
+Backends: ``reference`` (plain autograd, the ground truth) and ``lean`` (memory-lean), one
+pass each; ``twophase`` (:mod:`attnres_dist.ops.two_phase`, torch ops, CPU and GPU, what a compiled
 layer traces); ``cpu_fused`` (:mod:`attnres_dist.ops.cpu_two_phase`, the project's C kernels);
 ``triton``, ``fla`` and ``flash_attn_res`` (:mod:`attnres_dist.ops.kernel_impls`, GPU).
 """
@@ -37,10 +37,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from attnres_dist.ops import two_phase
-from attnres_dist.ops.depth_attention import depth_attention, validate_inputs
+from attnres_dist.ops.depth_attention import depth_attention, one_pass_phase2, validate_inputs
 from attnres_dist.ops.reference import depth_attention_reference
 
 __all__ = [
@@ -62,21 +63,19 @@ def _always_available() -> str | None:
 
 @dataclass(frozen=True)
 class DepthAttentionImpl:
-    """One backend: its two phases (or a one-pass kernel), where it runs, what it fuses."""
+    """One backend: its phase 2, its phase 1 (None: a one-pass kernel), where it runs, what
+    it fuses."""
 
     name: str
     phase1: Callable[..., tuple[Sequence[Tensor], Sequence[Tensor]]] | None = None
     phase2: Callable[..., Tensor] | None = None
-    one_pass: Callable[..., Tensor | tuple[Tensor, Tensor]] | None = None
     devices: tuple[str, ...] = ("cpu", "cuda")
     requirement: Callable[[], str | None] = _always_available
     options: frozenset[str] = frozenset()  # of "grad_into", "first_norm", "norm"
 
     def __post_init__(self):
-        if (self.phase1 is None) != (self.phase2 is None):
-            raise ValueError(f"backend {self.name!r}: give both phases or neither")
-        if self.phase1 is None and self.one_pass is None:
-            raise ValueError(f"backend {self.name!r}: give its phases or a one-pass kernel")
+        if self.phase2 is None:
+            raise ValueError(f"backend {self.name!r}: give its phase 2 (a one-pass kernel's)")
         unknown = set(self.options) - {"grad_into", "first_norm", "norm"}
         if unknown:
             raise ValueError(f"backend {self.name!r}: unknown options {sorted(unknown)}")
@@ -93,21 +92,26 @@ class DepthAttentionImpl:
         eps: float = 1e-6,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """One-pass depth attention (the softmax weights, when asked for, from ``lean``)."""
-        if self.one_pass is not None:
-            kw = {"eps": eps, "return_weights": return_weights}
-            return self.one_pass(query, sources, norm_weight, **kw)
+        """Depth attention over ``sources`` in one call, made of the backend's phases (the
+        softmax weights, when asked for, from ``lean``)."""
         validate_inputs(query, sources, norm_weight)
         if return_weights:
             return depth_attention(query, sources, norm_weight, eps=eps, return_weights=True)
-        return two_phase.compose_phases(self.phase1, self.phase2)(query, sources, norm_weight, eps)
+        weights = torch.stack((query, norm_weight))
+        if self.phase1 is None:
+            return self.phase2(None, None, torch.stack(tuple(sources)), weights, eps)
+        head = sources[0].unsqueeze(0) if len(sources) <= 2 else torch.stack(sources[:-1])
+        out1, lse = self.phase1(head, weights.unsqueeze(0), eps)
+        if len(sources) == 1:
+            return out1[0].to(sources[0].dtype)
+        return self.phase2(out1[0], lse[0], sources[-1].unsqueeze(0), weights, eps)
 
 
 DEFAULT_DEPTH_ATTENTION = "lean"
 
 _REGISTRY: dict[str, DepthAttentionImpl] = {
-    "lean": DepthAttentionImpl("lean", one_pass=depth_attention),
-    "reference": DepthAttentionImpl("reference", one_pass=depth_attention_reference),
+    "lean": DepthAttentionImpl("lean", phase2=one_pass_phase2(depth_attention)),
+    "reference": DepthAttentionImpl("reference", phase2=one_pass_phase2(depth_attention_reference)),
     "twophase": DepthAttentionImpl("twophase", two_phase.phase1, two_phase.phase2),
 }
 

@@ -1,8 +1,8 @@
 """Depth attention: public entry point, input validation and the lean autograd function.
 
 This module owns ``depth_attention`` (the default implementation), the input
-validation shared by every implementation, ``one_pass_adapter`` (the public signature
-around a kernel that computes only the output), and ``_LeanDepthAttention``, a
+validation shared by every implementation, ``one_pass_phase2`` (the registry's phase-2
+signature around a one-pass kernel), and ``_LeanDepthAttention``, a
 ``torch.autograd.Function`` with a hand-derived backward.
 
 Math, per token, with ``n`` sources ``s_j`` of width ``D``, pseudo-query ``w`` and
@@ -252,24 +252,26 @@ def depth_attention(
     return _LeanDepthAttention.apply(query, norm_weight, eps, return_weights, *sources)
 
 
-def one_pass_adapter(
-    kernel: Callable[[Tensor, Sequence[Tensor], Tensor, float], Tensor],
-) -> Callable[..., Tensor | tuple[Tensor, Tensor]]:
-    """``depth_attention``'s signature around ``kernel(query, sources, norm_weight, eps)``,
-    which computes the output only: the arguments are validated first, and a call with
-    ``return_weights=True`` (the diagnostics' path) is answered by the lean op."""
+def one_pass_phase2(kernel: Callable[..., Tensor], stacked: bool = False) -> Callable[..., Tensor]:
+    """The registry's phase-2 signature around a one-pass kernel ``kernel(query, sources,
+    norm_weight, eps)``: it serves the empty phase 1 (``out1 = lse = None``), each row of
+    ``extra`` ``[m, *batch, D]`` a source (``stacked``: the kernel takes ``extra`` whole, else
+    its rows as a tuple of views)."""
 
     @functools.wraps(kernel)
-    def one_pass(
-        query: Tensor,
-        sources: Sequence[Tensor],
-        norm_weight: Tensor,
-        eps: float = 1e-6,
-        return_weights: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        validate_inputs(query, sources, norm_weight)
-        if return_weights:
-            return depth_attention(query, sources, norm_weight, eps=eps, return_weights=True)
-        return kernel(query, sources, norm_weight, eps)
+    def phase2(out1, lse, extra: Tensor, weights: Tensor, eps: float = 1e-6) -> Tensor:
+        if out1 is not None or lse is not None:
+            raise ValueError(
+                f"{kernel.__name__} is a one-pass kernel: it merges into no phase-1 result "
+                "(pass out1 = lse = None and every source in extra)"
+            )
+        if not isinstance(extra, Tensor) or extra.dim() < 2 or extra.shape[0] < 1:
+            got = tuple(extra.shape) if isinstance(extra, Tensor) else type(extra).__name__
+            raise ValueError(f"extra must have shape [m >= 1, *batch, D], got {got}")
+        if not isinstance(weights, Tensor) or weights.shape != (2, extra.shape[-1]):
+            got = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__
+            raise ValueError(f"weights must have shape [2, D={extra.shape[-1]}], got {got}")
+        query, gain = weights.unbind(0)
+        return kernel(query, extra if stacked else extra.unbind(0), gain, eps)
 
-    return one_pass
+    return phase2

@@ -6,7 +6,7 @@ implementation cannot run here (None when it can).
 
 - ``triton``: the project's own two-phase kernels (:mod:`attnres_dist.ops.triton_two_phase`).
   Runs on CUDA, or on the CPU through Triton's interpreter when ``TRITON_INTERPRET=1``.
-- ``fla``: fla-core's fused one-pass kernel ``fused_attnres`` (no two-phase functions).
+- ``fla``: fla-core's fused one-pass kernel ``fused_attnres`` (phase 2 alone).
 - ``flash_attn_res``: flash-attn-res's phase-1 / phase-2 kernels (bfloat16 results).
 """
 
@@ -109,7 +109,7 @@ TRITON = DepthAttentionImpl(
 )
 FLA = DepthAttentionImpl(
     "fla",
-    one_pass=_lazy(OUTSIDE_MODULE, "fla_one_pass"),
+    phase2=_lazy(OUTSIDE_MODULE, "fla_phase2"),
     devices=("cuda",),
     requirement=fla_requirement,
 )

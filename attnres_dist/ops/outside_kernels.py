@@ -2,8 +2,9 @@
 
 - fla-core 0.6 ``fla.ops.attnres.fused_attnres(query, residuals, rms_weight, rms_eps=...)``
   computes exactly our one-pass op (RMSNorm with gain on the keys, no temperature, fp32
-  statistics, one cast), so ``fla_one_pass`` passes the arguments straight through. It has no
-  two-phase entry points: its log-sum-exp is internal and not differentiable.
+  statistics, one cast), so ``fla_phase2`` passes the arguments straight through. It has no
+  two-phase entry points (its log-sum-exp is internal and not differentiable), so it serves
+  phase 2 over the empty phase 1: every source in ``extra``, stacked as it takes them.
 - flash-attn-res 0.1 ``phase_1_batched_attention_triton_op(blocks[N, B, T, D], queries[S, D],
   eps) -> (outputs, lse)`` and ``phase_2_online_softmax_merge_triton_op(partial[B, T, D],
   query, out1, lse1, eps)``: its keys' RMSNorm has no gain, so the query passed is
@@ -13,17 +14,14 @@
   :func:`merge_sources` first.
 
 Either package imports Triton at import time; this module is imported only on first call.
-The softmax weights (``return_weights=True``, the diagnostics' path) come from the lean op.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 
-from attnres_dist.ops.depth_attention import one_pass_adapter
+from attnres_dist.ops.depth_attention import one_pass_phase2
 
 
 def merge_sources(
@@ -39,16 +37,17 @@ def merge_sources(
     return out, z
 
 
-@one_pass_adapter
-def fla_one_pass(
-    query: Tensor, sources: Sequence[Tensor], norm_weight: Tensor, eps: float
-) -> Tensor:
-    """One-pass depth attention on fla-core's ``fused_attnres``."""
+def _fla_one_pass(query: Tensor, sources: Tensor, norm_weight: Tensor, eps: float) -> Tensor:
+    """One-pass depth attention on fla-core's ``fused_attnres`` over ``sources`` ``[n, *batch,
+    D]``."""
     from fla.ops.attnres import fused_attnres
 
-    # fused_attnres asserts 16-byte aligned sources (a store's row j is, for usual shapes).
-    aligned = [s if s.data_ptr() % 16 == 0 else s.clone() for s in sources]
-    return fused_attnres(query, aligned, norm_weight, rms_eps=eps)
+    # fused_attnres asserts 16-byte aligned sources
+    aligned = sources if sources.data_ptr() % 16 == 0 else sources.clone()
+    return fused_attnres(query, aligned.contiguous(), norm_weight, rms_eps=eps)
+
+
+fla_phase2 = one_pass_phase2(_fla_one_pass, stacked=True)
 
 
 def _flash_attn_res():

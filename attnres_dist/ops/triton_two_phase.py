@@ -16,14 +16,10 @@ Saved for backward: phase 1 keeps the store itself (no copy), ``u`` and its own 
 float per token (the merged log-sum-exp). No normalised keys, logits or ``[S, n, T, D]``
 intermediates are kept; backward recomputes ``r`` and the logits from the sources.
 
-``one_pass`` is the registry's one-pass function built from them (stack the sources, phase 1
-with one query, cast); asked for the softmax weights, it answers with the lean op, which
-computes the same weights (the diagnostics' path).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
@@ -31,7 +27,6 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from attnres_dist.ops import triton_kernels as K
-from attnres_dist.ops.depth_attention import one_pass_adapter
 
 
 def _check_device(t: Tensor) -> None:
@@ -254,10 +249,3 @@ def phase2(
     u = (norm_weight.float() * query.float()).contiguous()
     out, _ = _phase2(o1, z, extra.contiguous(), u, float(eps))
     return out.view(extra.shape[1:])
-
-
-@one_pass_adapter
-def one_pass(query: Tensor, sources: Sequence[Tensor], norm_weight: Tensor, eps: float) -> Tensor:
-    """One-pass depth attention (the signature of ``depth_attention``) on the phase-1 kernel."""
-    out1, _ = phase1(torch.stack(tuple(sources)), query[None], norm_weight[None], eps)
-    return out1[0].to(sources[0].dtype)

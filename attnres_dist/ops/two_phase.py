@@ -34,8 +34,6 @@ copies, no ``[S, n, T, D]`` products. All arithmetic is float32 (float64 stays f
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
@@ -344,19 +342,3 @@ def phase2(out1: Tensor, lse: Tensor, extra: Tensor, weights: Tensor, eps: float
     check_packed_row(weights, extra.shape[-1])
     merge = _Merge1 if extra.shape[0] == 1 else _Phase2
     return merge.apply(out1, lse, extra, weights, eps)
-
-
-def compose_phases(first, second):
-    """One-pass depth attention ``kernel(query, sources, norm_weight, eps)`` built from a
-    backend's ``phase1`` (over all sources but the last) and ``phase2`` (merging the last)."""
-
-    def kernel(query: Tensor, sources: Sequence[Tensor], norm_weight: Tensor, eps: float):
-        weights = torch.stack((query, norm_weight))
-        head = sources[0].unsqueeze(0) if len(sources) <= 2 else torch.stack(sources[:-1])
-        out1, lse = first(head, weights.unsqueeze(0), eps)
-        if len(sources) == 1:
-            return out1[0].to(sources[0].dtype)
-        return second(out1[0], lse[0], sources[-1].unsqueeze(0), weights, eps)
-
-    kernel.__name__ = kernel.__qualname__ = f"one_pass_{first.__module__.rsplit('.', 1)[-1]}"
-    return kernel
