@@ -267,9 +267,7 @@ def test_auto_and_refusals(monkeypatch):
     registry = dict(ops_ns["_REGISTRY"])
     monkeypatch.setattr("attnres_dist.ops._REGISTRY", registry)
     register_depth_attention(
-        DepthAttentionImpl(
-            "needs_x", phase2=REFERENCE_PHASE2, requirement=lambda: "x missing"
-        )
+        DepthAttentionImpl("needs_x", phase2=REFERENCE_PHASE2, requirement=lambda: "x missing")
     )
     with pytest.raises(ConfigError) as err:
         select_depth_attention("needs_x", "cpu")
@@ -278,9 +276,7 @@ def test_auto_and_refusals(monkeypatch):
     assert "lean" in message and "needs_x" not in message.split("available here:")[1]
     # without the C kernels (no compiler) auto takes the torch two-phase ops and says why
     register_depth_attention(
-        DepthAttentionImpl(
-            "cpu_fused", phase2=REFERENCE_PHASE2, requirement=lambda: "no cc"
-        ),
+        DepthAttentionImpl("cpu_fused", phase2=REFERENCE_PHASE2, requirement=lambda: "no cc"),
         overwrite=True,
     )
     choice = select_depth_attention("auto", "cpu")
@@ -302,9 +298,7 @@ def test_auto_on_cuda_prefers_fla_then_triton(monkeypatch, runnable, expected):
     monkeypatch.setattr("attnres_dist.ops._REGISTRY", registry)
     for name in ("fla", "triton"):
         why = None if name in runnable else f"{name} is not installed"
-        impl = DepthAttentionImpl(
-            name, phase2=REFERENCE_PHASE2, requirement=lambda w=why: w
-        )
+        impl = DepthAttentionImpl(name, phase2=REFERENCE_PHASE2, requirement=lambda w=why: w)
         register_depth_attention(impl, overwrite=True)
     choice = select_depth_attention("auto", "cuda")
     assert choice.value == expected

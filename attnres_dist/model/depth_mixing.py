@@ -6,7 +6,8 @@ gains of a layer's two mixers are one parameter (``mixer_weights``).
 
 Sublayers are grouped into *segments*: consecutive sublayers of one stage that attend over
 the same completed blocks. At a segment's first sublayer, phase 1 attends the queries of all
-its sublayers over the store in one batched pass; each sublayer then merges what is not in that store (phase 2). Segments:
+its sublayers over the store in one batched pass; each sublayer then merges what is not in
+that store (phase 2). Segments:
 
 * Block AttnRes: a block, cut where a stage or a full-recompute group starts inside it; phase 2
   merges the partial block.
