@@ -62,8 +62,8 @@ def _interleaved(fns: dict, reps: int, warmup: int) -> dict[str, float]:
 def _merge_norm(dim: int, tokens: int, reps: int, warmup: int, gen) -> dict:
     """Fused merge + RMSNorm against phase 2 then RMSNorm (both the C kernels), 3 blocks."""
     from attnres_dist.ops import cpu_two_phase
-    from attnres_dist.ops.cpu_merge_norm import merge_rms_norm
     from attnres_dist.ops.cpu_rms_norm import rms_norm
+    from attnres_dist.ops.cpu_two_phase import merge_rms_norm
 
     blocks = torch.randn(3, tokens, dim, generator=gen)
     q, g, w = (1 + 0.3 * torch.randn(3, dim, generator=gen)).unbind(0)

@@ -1,16 +1,16 @@
-"""The fused phase-2 merge + RMSNorm (``ops/cpu_merge_norm.py``) against its definition written
-out in float64: the softmax over [completed blocks ++ the extra sources] with RMS-normalised
-keys, then RMSNorm of the mix; values and the gradients of all six inputs for one extra source
-(Block's two-way merge) and several (Full's general one); equality with the two kernels
-composed; the extras' gradient added into a given buffer (``grad_into``); the composition it
-falls back to; and the Block and Full models with and without it."""
+"""The fused phase-2 merge + RMSNorm (``attnres_dist.ops.cpu_two_phase.merge_rms_norm``)
+against its definition written out in float64: the softmax over [completed blocks ++ the extra
+sources] with RMS-normalised keys, then RMSNorm of the mix; values and the gradients of all six
+inputs for one extra source (Block's two-way merge) and several (Full's general one); equality
+with the two kernels composed; the extras' gradient added into a given buffer (``grad_into``);
+the composition it falls back to; and the Block and Full models with and without it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from attnres_dist.ops import cpu_merge_norm, get_depth_attention
+from attnres_dist.ops import cpu_two_phase, get_depth_attention
 from attnres_dist.ops.cpu_rms_norm import CpuRMSNorm
 from attnres_dist.ops.cpu_two_phase import phase2, requirement
 
@@ -49,7 +49,7 @@ def _phase1(blocks, query, key_gain):
 def merge_rms_norm(out1, lse, extra, query, key_gain, norm_weight, **kw):
     """The fused op, its query and key gain given apart (packed here, on the graph)."""
     weights = torch.stack((query, key_gain))
-    return cpu_merge_norm.merge_rms_norm(out1, lse, extra, weights, norm_weight, **kw)
+    return cpu_two_phase.merge_rms_norm(out1, lse, extra, weights, norm_weight, **kw)
 
 
 NAMES = ["out1", "lse", "extra", "query", "key_gain", "norm"]
@@ -177,8 +177,6 @@ def test_model_with_the_fused_merge_equals_it_without(mode, recompute):
             p.data[:, 0].copy_(0.5 * torch.randn(p[:, 0].shape, generator=gen))
     models[1].load_state_dict(models[0].state_dict())
     import dataclasses
-
-    from attnres_dist.ops import cpu_two_phase
 
     calls = []
     fused = cpu_two_phase.merge_rms_norm

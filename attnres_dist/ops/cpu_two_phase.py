@@ -7,7 +7,10 @@ block about ten times and dispatch ~30 small ops per pass. Sources are computed 
 (bfloat16 / float16 ones are upcast as in the torch ops); float64 inputs and tensors off the
 CPU take the torch-ops path. Phase 2 merges one extra source (the Block partial) by a two-way
 softmax and several (Full AttnRes's group outputs) by the general online-softmax merge, both
-fused. :func:`requirement` says why the kernels cannot run here (None when they can).
+fused, and can apply the sublayer's RMSNorm in the same pass (``csrc/merge_norm_cpu.c``): the
+merged row is needed only by the norm, so it is neither written nor read back (two passes
+over ``[tokens, D]`` and one autograd node fewer per sublayer, forward and backward).
+:func:`requirement` says why the kernels cannot run here (None when they can).
 """
 
 from __future__ import annotations
@@ -31,10 +34,9 @@ from attnres_dist.ops.cpu_library import (
     requirement,
     runs_here,
 )
-from attnres_dist.ops.cpu_merge_norm import fuses, merge_rms_norm
 from attnres_dist.ops.cpu_rms_norm import rms_norm
 
-__all__ = ["phase1", "phase2", "requirement"]
+__all__ = ["merge_rms_norm", "phase1", "phase2", "requirement"]
 
 
 def weight_rows(weights: Tensor) -> tuple[Tensor, ...]:
@@ -118,91 +120,74 @@ class _Phase1(torch.autograd.Function):
         return grad_b, grad_w, None, None, grad_n, None
 
 
-class _Merge1(torch.autograd.Function):
-    """Phase 2 with one extra source: ``lerp(out1, e, sigmoid(le - lse))``; saves ``[3, T]``
-    floats (the weight, the logit and the key statistic of ``e``) beyond its inputs. Kept
-    beside the general ``_Merge``, which gives the same result in more time (one exponential
-    per token where that takes four, and a log: docs/kernels.md)."""
+class _Merge(torch.autograd.Function):
+    """Phase 2: ``apply(out1, lse, extra, weights, eps, grad_into, norm_weight, norm_eps)``.
+    One extra source (Block's partial) takes the two-way softmax (``merge1``: one exponential
+    per token where the general ``merge`` takes four, and a log: docs/kernels.md); several
+    (Full's group outputs) the general merge. With ``norm_weight`` (else None; float32 inputs)
+    the sublayer's RMSNorm follows in the same pass (``merge_norm``): the merged row is formed
+    per token and normalised in L1, never written nor read back, and the backward forms it
+    again instead of saving it. Saves its inputs and ``[rows, T]`` per-token statistics."""
 
     @staticmethod
-    def forward(ctx, out1, lse, extra, weights, eps, grad_into):
-        dim = extra.shape[-1]
-        e, o1, l1, w = f32(extra), f32(out1), f32(lse), f32(weights)
-        tokens = e.numel() // dim
-        out, stats = e.new_empty(extra.shape[1:]), e.new_empty(3, tokens)
-        call(
-            "merge1_fwd", ptr(o1), ptr(l1), ptr(e), ptr(w[0]), ptr(w[1]), tokens, dim, eps,
-            ptr(out), ptr(stats), torch.get_num_threads(),
-        )  # fmt: skip
-        ctx.save_for_backward(out1, extra, weights, stats)
+    def forward(ctx, out1, lse, extra, weights, eps, grad_into, norm_weight, norm_eps):
+        m, dim = extra.shape[0], extra.shape[-1]
+        o1, l1, e, w = f32(out1), f32(lse), f32(extra), f32(weights)
+        tokens, threads = o1.numel() // dim, torch.get_num_threads()
+        out = e.new_empty(extra.shape[1:])
+        head = (ptr(o1), ptr(l1), ptr(e), ptr(w[0]), ptr(w[1]))
+        if norm_weight is not None:
+            stats = e.new_empty(4 if m == 1 else 2 * m + 2, tokens)  # the merge's, the norm's
+            call(
+                "merge_norm_fwd", *head, ptr(f32(norm_weight)), m, tokens, dim, eps, norm_eps,
+                ptr(out), ptr(stats), threads,
+            )  # fmt: skip
+        elif m == 1:
+            stats = e.new_empty(3, tokens)  # the extra's weight, logit and key statistic
+            call("merge1_fwd", *head, tokens, dim, eps, ptr(out), ptr(stats), threads)
+        else:
+            stats = e.new_empty(2 * m + 1, tokens)  # the extras' logits and key statistics
+            call("merge_fwd", *head, m, tokens, dim, eps, ptr(out), ptr(stats), threads)
+        ctx.save_for_backward(out1, lse, extra, weights, norm_weight, stats)
         ctx.grad_into = grad_into if extra.dtype == torch.float32 else None
-        ctx.lse_dtype = lse.dtype
         ctx.set_materialize_grads(False)
         return cast(out, extra.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        out1, extra, weights, stats = ctx.saved_tensors
+        out1, lse, extra, weights, norm_weight, stats = ctx.saved_tensors
         if grad_out is None:
-            return (None,) * 6
-        dim = extra.shape[-1]
-        e, o1, go, w = f32(extra), f32(out1), f32(grad_out), f32(weights)
-        tokens = e.numel() // dim
+            return (None,) * 8
+        m, dim = extra.shape[0], extra.shape[-1]
+        e, o1, l1, go, w = f32(extra), f32(out1), f32(lse), f32(grad_out), f32(weights)
+        tokens, threads = o1.numel() // dim, torch.get_num_threads()
         need = ctx.needs_input_grad
         go1 = torch.empty_like(o1) if need[0] else None
         glse = o1.new_empty(out1.shape[:-1])
         ge, into, accumulate = extra_grad(ctx, e, need[2])
         gw = torch.empty(2, dim) if need[3] else None
-        call(
-            "merge1_bwd", ptr(o1), ptr(e), ptr(w[0]), ptr(w[1]), ptr(stats), ptr(go), tokens,
-            dim, ptr(go1), ptr(glse), ptr(ge), int(accumulate), *_rows(gw),
-            torch.get_num_threads(),
-        )  # fmt: skip
+        gn = torch.empty(norm_weight.shape) if norm_weight is not None and need[6] else None
+        keys, grads = (ptr(w[0]), ptr(w[1])), (ptr(go1), ptr(glse), ptr(ge), int(accumulate))
+        if norm_weight is not None:
+            call(
+                "merge_norm_bwd", ptr(o1), ptr(l1), ptr(e), *keys, ptr(f32(norm_weight)),
+                ptr(stats), ptr(go), m, tokens, dim, *grads, *_rows(gw), ptr(gn), threads,
+            )  # fmt: skip
+        elif m == 1:
+            call(
+                "merge1_bwd", ptr(o1), ptr(e), *keys, ptr(stats), ptr(go), tokens, dim, *grads,
+                *_rows(gw), threads,
+            )  # fmt: skip
+        else:
+            call(
+                "merge_bwd", ptr(o1), ptr(l1), ptr(e), *keys, ptr(stats), ptr(go), m, tokens,
+                dim, *grads, *_rows(gw), threads,
+            )  # fmt: skip
         grads = (go1, glse if need[1] else None, None if into else ge, gw)
-        return (*_in_dtypes(grads, (out1, ctx.lse_dtype, extra, weights)), None, None)
-
-
-class _Merge(torch.autograd.Function):
-    """Phase 2 with ``m >= 2`` extra sources (Full AttnRes: the group's earlier outputs);
-    saves the extras' logits and key statistics and the total log-sum-exp (``[2 m + 1, T]``)."""
-
-    @staticmethod
-    def forward(ctx, out1, lse, extra, weights, eps, grad_into):
-        m, dim = extra.shape[0], extra.shape[-1]
-        e, o1, l1, w = f32(extra), f32(out1), f32(lse), f32(weights)
-        tokens = o1.numel() // dim
-        out, stats = o1.new_empty(extra.shape[1:]), e.new_empty(2 * m + 1, tokens)
-        call(
-            "merge_fwd", ptr(o1), ptr(l1), ptr(e), ptr(w[0]), ptr(w[1]), m, tokens, dim, eps,
-            ptr(out), ptr(stats), torch.get_num_threads(),
-        )  # fmt: skip
-        ctx.save_for_backward(out1, lse, extra, weights, stats)
-        ctx.grad_into = grad_into if extra.dtype == torch.float32 else None
-        ctx.set_materialize_grads(False)
-        return cast(out, extra.dtype)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        out1, lse, extra, weights, stats = ctx.saved_tensors
-        if grad_out is None:
-            return (None,) * 6
-        m, dim = extra.shape[0], extra.shape[-1]
-        e, o1, l1, go, w = f32(extra), f32(out1), f32(lse), f32(grad_out), f32(weights)
-        tokens = o1.numel() // dim
-        need = ctx.needs_input_grad
-        go1 = torch.empty_like(o1) if need[0] else None
-        glse = o1.new_empty(lse.shape)
-        ge, into, accumulate = extra_grad(ctx, e, need[2])
-        gw = torch.empty(2, dim) if need[3] else None
-        call(
-            "merge_bwd", ptr(o1), ptr(l1), ptr(e), ptr(w[0]), ptr(w[1]), ptr(stats), ptr(go), m,
-            tokens, dim, ptr(go1), ptr(glse), ptr(ge), int(accumulate), *_rows(gw),
-            torch.get_num_threads(),
-        )  # fmt: skip
-        grads = (go1, glse if need[1] else None, None if into else ge, gw)
-        return (*_in_dtypes(grads, (out1, lse.dtype, extra, weights)), None, None)
+        grads = _in_dtypes(grads, (out1, lse.dtype, extra, weights))
+        grad_n = None if gn is None else cast(gn, norm_weight.dtype)
+        return (*grads, None, None, grad_n, None)
 
 
 def _rows(gw: Tensor | None) -> tuple:
@@ -245,6 +230,26 @@ def phase1(
     return outputs[:s], outputs[s:]
 
 
+def fuses(*tensors: Tensor) -> bool:
+    """Whether phase 2's fused norm takes these inputs: float32, on the CPU."""
+    return all(t.dtype == torch.float32 for t in tensors) and runs_here(*tensors)
+
+
+def merge_rms_norm(
+    out1: Tensor,
+    lse: Tensor,
+    extra: Tensor,
+    weights: Tensor,
+    norm_weight: Tensor,
+    norm_eps: float = 1e-5,
+    eps: float = 1e-6,
+    grad_into: Callable[[], tuple[Tensor, bool]] | None = None,
+) -> Tensor:
+    """``rms_norm(phase2(out1, lse, extra, weights, eps), norm_weight, norm_eps)`` in one pass
+    (``extra`` ``[m, ..., D]``, ``weights`` ``[2, D]``, all float32 on the CPU: ``fuses``)."""
+    return _Merge.apply(out1, lse, extra, weights, eps, grad_into, norm_weight, norm_eps)
+
+
 def phase2(
     out1: Tensor,
     lse: Tensor,
@@ -254,11 +259,10 @@ def phase2(
     grad_into: Callable[[], tuple[Tensor, bool]] | None = None,
     norm: tuple[Tensor, float] | None = None,
 ) -> Tensor:
-    """:func:`attnres_dist.ops.two_phase.phase2` through the fused kernels (one extra source:
-    the two-way softmax; several: the general merge), with its two options: ``grad_into`` as
-    for :func:`phase1`, for the extras' gradient; ``norm`` (an RMSNorm's ``(weight, eps)``)
-    applies the sublayer's RMSNorm to the result in the same pass
-    (:mod:`attnres_dist.ops.cpu_merge_norm`)."""
+    """:func:`attnres_dist.ops.two_phase.phase2` through the fused kernels, with its two
+    options: ``grad_into`` as for :func:`phase1`, for the extras' gradient; ``norm`` (an
+    RMSNorm's ``(weight, eps)``) applies the sublayer's RMSNorm to the result in the same pass
+    (:func:`merge_rms_norm`)."""
     two_phase.check_phase2(out1, lse, extra)
     two_phase.check_packed_row(weights, extra.shape[-1])
     if norm is not None and fuses(out1, lse, extra, weights, norm[0]):
@@ -267,5 +271,4 @@ def phase2(
         return rms_norm(phase2(out1, lse, extra, weights, eps, grad_into), *norm)
     if not runs_here(out1, lse, extra, weights):
         return two_phase.phase2(out1, lse, extra, weights, eps)
-    merge = _Merge1 if extra.shape[0] == 1 else _Merge
-    return merge.apply(out1, lse, extra, weights, eps, grad_into)
+    return _Merge.apply(out1, lse, extra, weights, eps, grad_into, None, 0.0)
