@@ -55,7 +55,7 @@ def _matmul(a: Tensor, b: Tensor, into: Tensor | None = None) -> Tensor:
     it reads, and inductor fuses the sum with the elementwise work around it into its own
     kernel instead of calling a separate matmul (one launch and one host call fewer each:
     docs/compile.md). Eager, the matmul: the broadcast product would be materialised. The one
-    two places this backend asks whether it is traced (``_block_major_sum``)."""
+    place this backend asks whether it is traced."""
     if torch.compiler.is_compiling():
         out = (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
         return out if into is None else into + out
@@ -64,13 +64,10 @@ def _matmul(a: Tensor, b: Tensor, into: Tensor | None = None) -> Tensor:
 
 def _block_major_sum(mix: Tensor, b: Tensor, coef: Tensor) -> Tensor:
     """``mix + b * coef`` laid out as ``b`` (block-major) where ``mix`` is a token-major view:
-    eager, one ``addcmul`` into a tensor like ``b`` (the plain sum would take ``mix``'s layout
-    and the reshape after it a copy: 20% more time, docs/kernels.md). Traced, the plain sum:
-    inductor gives an ``out=`` tensor the layout of the sum, which the view after it cannot
-    read."""
-    if torch.compiler.is_compiling():
-        return torch.addcmul(mix, b, coef).contiguous()
-    return torch.addcmul(mix, b, coef, out=torch.empty_like(b))
+    the product first, so the sum takes its layout (the plain ``addcmul`` would take ``mix``'s,
+    and the reshape after it a copy). Eager, one product more than an ``addcmul`` into a
+    tensor like ``b`` (docs/kernels.md); traced, one fused kernel either way."""
+    return (b * coef).add_(mix)
 
 
 def check_packed(blocks: Tensor, weights: Tensor) -> None:
