@@ -27,8 +27,9 @@ merges the block closed since; a phase 1 of its own would read every block once 
 
 The phase-1 results live in the state (``Phase1Cache``) until the segment ends; they never
 cross a stage boundary. A one-pass implementation (``lean``, ``reference``, ``fla``: phase 2
-alone) runs the same schedule with an empty phase 1: its segments read no block (``rows``
-0), and each sublayer's phase 2 reads every source.
+alone) runs the same schedule with an empty phase 1: a segment per sublayer that reads no
+block (``rows`` 0), whose phase 2 reads every source (the store in place, and the partial
+block).
 
 Delta AttnRes (``delta``) runs the same schedule without the partial block among the mixed
 sources, and adds the residual stream to the mix before the norm: phase 1 also sums the rows
@@ -265,7 +266,10 @@ def configure_segments(layers: list, plan: BlockPlan, final=None, groups=None) -
         return
     group_of = {id(layer): id(g) for g in groups or () for layer in g}
     size = plan.effective_block_size
-    group = FULL_GROUP if size == 1 else size
+    two_phase = layers[0].attn_mixer.two_phase
+    # a one-pass backend reads every source in phase 2 (none in phase 1): a segment per
+    # sublayer, whose phase 2 then reads the store in place, not rows stacked since
+    group = (FULL_GROUP if size == 1 else size) if two_phase else 1
     capacity = plan.boundary_width(layers[-1].layer_index + 1)
     segments: dict[tuple, Segment] = {}
     for layer in layers:
@@ -278,8 +282,7 @@ def configure_segments(layers: list, plan: BlockPlan, final=None, groups=None) -
         ):
             start = (sublayer - 1) // group * group + 1  # the block's (group's) first sublayer
             key = (recompute_group, start)
-            # a one-pass backend reads no block in phase 1 (every source in phase 2)
-            rows = plan.state_after(start - 1)[0] if mixer.two_phase else 0
+            rows = plan.state_after(start - 1)[0] if two_phase else 0
             segment = segments.get(key)
             if segment is None:  # the segment's first local sublayer
                 norms = layer.layer.input_layernorm, layer.layer.pre_mlp_layernorm
