@@ -292,3 +292,27 @@ def test_registry_accepts_new_impl(monkeypatch):
     impl = DepthAttentionImpl("test_impl", phase2=REFERENCE_PHASE2)
     register_depth_attention(impl)
     assert get_depth_attention("test_impl") is impl
+
+
+@pytest.mark.parametrize("impl", ["lean", "reference"])
+def test_one_pass_phase2_reads_pieces_as_their_rows(impl):
+    """A one-pass backend's phase 2 over the empty phase 1 takes its sources stacked or as
+    pieces (the model's store and partial block, where they lie): the same output and
+    gradients, which are the one-pass op's on the rows as a list."""
+    gen = torch.Generator().manual_seed(3)
+    store = torch.randn(3, 2, 5, 8, generator=gen, requires_grad=True)
+    partial = torch.randn(1, 2, 5, 8, generator=gen, requires_grad=True)
+    weights = torch.randn(2, 8, generator=gen, requires_grad=True)
+    phase2 = get_depth_attention(impl).phase2
+    out = phase2(None, None, (store, partial), weights)
+    grads = torch.autograd.grad(out.square().sum(), (store, partial, weights))
+    sources = [*store.unbind(0), partial[0]]
+    want = depth_attention_reference(weights[0], sources, weights[1])
+    want_grads = torch.autograd.grad(want.square().sum(), (store, partial, weights))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    for got, expected in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    stacked = phase2(None, None, torch.cat((store, partial)), weights)
+    torch.testing.assert_close(stacked, out, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="one-pass kernel"):
+        phase2(out, out.sum(-1), partial, weights)

@@ -147,9 +147,9 @@ class DepthMixer:
     def delta_merge(self, out1, lse, extra, dtype, stream, partial, norm):
         """Delta AttnRes' phase 2: the mix of the completed blocks (``merge``) added to the
         residual stream, ``stream`` (the rows phase 1 read, summed; None: none) plus ``extra``
-        (the rows after them) plus ``partial``, then ``norm``."""
-        if extra is not None:
-            stream = extra.sum(0) if stream is None else stream + extra.sum(0)
+        (the rows after them; a tensor or its pieces) plus ``partial``, then ``norm``."""
+        for piece in (extra,) if isinstance(extra, torch.Tensor) else extra or ():
+            stream = piece.sum(0) if stream is None else stream + piece.sum(0)
         if partial is not None:
             stream = stream + partial
         return norm(self.merge(out1, lse, extra, dtype) + stream)
@@ -163,8 +163,8 @@ class DepthMixer:
         store = state.store
         extra = None if state.partial is None else state.partial.unsqueeze(0)
         if not self.two_phase:
-            extra = store if extra is None else torch.cat((store, extra))
-            return self.merge(None, None, extra, store.dtype)
+            pieces = (store,) if extra is None else (store, extra)
+            return self.merge(None, None, pieces, store.dtype)
         options = state.store_grad_into(store.shape[0]) if self.grad_into else {}
         weights = self.weights[self.row : self.row + 1]
         out1, lse = self._op.phase1(store, weights, self.eps, **options)

@@ -155,9 +155,11 @@ class DepthState:
 
     def merge_inputs(self, sublayer: int, grad_into: bool = False, with_partial: bool = True):
         """(out1, lse, extra, into) of ``sublayer`` from the phase-1 results: extra may be
-        None; ``into`` (None unless ``grad_into``, the op's capability) gives the gradient rows
-        of an extra that is a range of store rows, for the op to add that extra's gradient to.
-        ``with_partial``: the partial block is an extra (Delta mixes completed blocks only)."""
+        None, and after the empty phase 1 it is the tuple of pieces that hold every source, in
+        order; ``into`` (None unless ``grad_into``, the op's capability) gives the gradient
+        rows of an extra that is a range of store rows, for the op to add that extra's
+        gradient to. ``with_partial``: the partial block is an extra (Delta mixes completed
+        blocks only)."""
         cache = self.phase1
         k = sublayer - cache.first
         later = self.num_completed - cache.rows  # Full: the group's outputs, in the store
@@ -176,6 +178,12 @@ class DepthState:
             extra.append(torch.stack(closed))
         if self.partial is not None and with_partial:  # Block: the partial block
             extra.append(self.partial.unsqueeze(0))
+        if cache.rows == 0 and extra:
+            # the empty phase 1 (a one-pass backend): its kernel reads every source where it
+            # lies, so the pieces go as they are (the whole store itself, not a slice of it)
+            if received == self.num_completed:
+                extra[0] = self.store
+            return cache.out1[k], cache.lse[k], tuple(extra), None
         extra = None if not extra else extra[0] if len(extra) == 1 else torch.cat(extra)
         return cache.out1[k], cache.lse[k], extra, None
 

@@ -23,7 +23,8 @@ A backend that fuses more says which ``options`` its phases take:
 
 A one-pass kernel (``lean``, ``reference``, ``fla``) is a backend with phase 2 alone: it
 serves the empty phase 1 (``out1 = lse = None``: no block read yet), every source an extra
-row, and the model runs it so (``model/depth_mixing.py``). ``requirement()`` says why a backend
+row (``extra`` may then be a tuple of pieces, read where they lie), and the model runs it so
+(``model/depth_mixing.py``). ``requirement()`` says why a backend
 cannot run here (None when it can), so a config asking for it is refused with that reason.
 
 Backends: ``reference`` (plain autograd, the ground truth) and ``lean`` (memory-lean), one

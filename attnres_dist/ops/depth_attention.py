@@ -255,23 +255,31 @@ def depth_attention(
 def one_pass_phase2(kernel: Callable[..., Tensor], stacked: bool = False) -> Callable[..., Tensor]:
     """The registry's phase-2 signature around a one-pass kernel ``kernel(query, sources,
     norm_weight, eps)``: it serves the empty phase 1 (``out1 = lse = None``), each row of
-    ``extra`` ``[m, *batch, D]`` a source (``stacked``: the kernel takes ``extra`` whole, else
-    its rows as a tuple of views)."""
+    ``extra`` ``[m, *batch, D]`` a source. ``extra`` may also be a tuple of such pieces, read
+    in order where they lie (the model's store and partial block: no copy to join them).
+    ``stacked``: the kernel takes the sources as one tensor, else as a list of rows."""
 
     @functools.wraps(kernel)
-    def phase2(out1, lse, extra: Tensor, weights: Tensor, eps: float = 1e-6) -> Tensor:
+    def phase2(out1, lse, extra, weights: Tensor, eps: float = 1e-6) -> Tensor:
         if out1 is not None or lse is not None:
             raise ValueError(
                 f"{kernel.__name__} is a one-pass kernel: it merges into no phase-1 result "
                 "(pass out1 = lse = None and every source in extra)"
             )
-        if not isinstance(extra, Tensor) or extra.dim() < 2 or extra.shape[0] < 1:
-            got = tuple(extra.shape) if isinstance(extra, Tensor) else type(extra).__name__
-            raise ValueError(f"extra must have shape [m >= 1, *batch, D], got {got}")
-        if not isinstance(weights, Tensor) or weights.shape != (2, extra.shape[-1]):
+        pieces = (extra,) if isinstance(extra, Tensor) else tuple(extra)
+        for piece in pieces:
+            if not isinstance(piece, Tensor) or piece.dim() < 2 or piece.shape[0] < 1:
+                got = tuple(piece.shape) if isinstance(piece, Tensor) else type(piece).__name__
+                raise ValueError(f"extra must have shape [m >= 1, *batch, D], got {got}")
+        dim = pieces[0].shape[-1]
+        if not isinstance(weights, Tensor) or weights.shape != (2, dim):
             got = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__
-            raise ValueError(f"weights must have shape [2, D={extra.shape[-1]}], got {got}")
+            raise ValueError(f"weights must have shape [2, D={dim}], got {got}")
         query, gain = weights.unbind(0)
-        return kernel(query, extra if stacked else extra.unbind(0), gain, eps)
+        if stacked:
+            sources = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        else:
+            sources = [row for piece in pieces for row in piece.unbind(0)]
+        return kernel(query, sources, gain, eps)
 
     return phase2
