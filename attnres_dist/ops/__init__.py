@@ -99,8 +99,8 @@ class DepthAttentionImpl:
         if return_weights:
             return depth_attention(query, sources, norm_weight, eps=eps, return_weights=True)
         weights = torch.stack((query, norm_weight))
-        if self.phase1 is None:
-            return self.phase2(None, None, torch.stack(tuple(sources)), weights, eps)
+        if self.phase1 is None:  # every source a piece of one row: read where it lies
+            return self.phase2(None, None, tuple(s.unsqueeze(0) for s in sources), weights, eps)
         head = sources[0].unsqueeze(0) if len(sources) <= 2 else torch.stack(sources[:-1])
         out1, lse = self.phase1(head, weights.unsqueeze(0), eps)
         if len(sources) == 1:
