@@ -136,10 +136,11 @@ class _Merge(torch.autograd.Function):
         tokens, threads = o1.numel() // dim, torch.get_num_threads()
         out = e.new_empty(extra.shape[1:])
         head = (ptr(o1), ptr(l1), ptr(e), ptr(w[0]), ptr(w[1]))
-        if norm_weight is not None:
+        nw = None if norm_weight is None else f32(norm_weight)  # alive while the kernel reads it
+        if nw is not None:
             stats = e.new_empty(4 if m == 1 else 2 * m + 2, tokens)  # the merge's, the norm's
             call(
-                "merge_norm_fwd", *head, ptr(f32(norm_weight)), m, tokens, dim, eps, norm_eps,
+                "merge_norm_fwd", *head, ptr(nw), m, tokens, dim, eps, norm_eps,
                 ptr(out), ptr(stats), threads,
             )  # fmt: skip
         elif m == 1:
@@ -169,9 +170,10 @@ class _Merge(torch.autograd.Function):
         gw = torch.empty(2, dim) if need[3] else None
         gn = torch.empty(norm_weight.shape) if norm_weight is not None and need[6] else None
         keys, grads = (ptr(w[0]), ptr(w[1])), (ptr(go1), ptr(glse), ptr(ge), int(accumulate))
-        if norm_weight is not None:
+        nw = None if norm_weight is None else f32(norm_weight)  # alive while the kernel reads it
+        if nw is not None:
             call(
-                "merge_norm_bwd", ptr(o1), ptr(l1), ptr(e), *keys, ptr(f32(norm_weight)),
+                "merge_norm_bwd", ptr(o1), ptr(l1), ptr(e), *keys, ptr(nw),
                 ptr(stats), ptr(go), m, tokens, dim, *grads, *_rows(gw), ptr(gn), threads,
             )  # fmt: skip
         elif m == 1:
